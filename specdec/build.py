@@ -1,0 +1,95 @@
+"""Assemble an engine from names: load target and draft, check they can pair, pick the drafter and K."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .drafters import Drafter, DraftModelDrafter, NGramDrafter, restrict_vocab
+from .engine import SpeculativeEngine
+from .kpolicy import AdaptiveK, FixedK, KPolicy
+from .models import LoadedModel, check_memory, estimate_pair_bytes, load_model
+
+
+class IncompatibleDraftError(ValueError):
+    pass
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineSpec:
+    target: str = "qwen-1.5b"
+    draft: str = "qwen-0.5b"  # a model, "ngram", or "none"
+    k: str = "adaptive"  # an integer, or "adaptive"
+    k_min: int = 3
+    k_max: int = 6
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    # Cheaper draft forwards (lossless: the target verifies every token).
+    draft_quant: str = "int8"  # "int8" (dynamic quantization of Linear layers, CPU) or "none"
+    draft_vocab: int = 32768  # draft LM head over the first N token ids; 0 keeps the whole vocabulary
+    max_speculative_sequences: int = 4
+
+
+def k_policy_factory(k: str, k_min: int = 3, k_max: int = 6) -> Callable[[], KPolicy]:
+    if k == "adaptive":
+        return lambda: AdaptiveK(k_min, k_max)
+    try:
+        fixed = int(k)
+    except ValueError:
+        raise ValueError(f"--k must be an integer or 'adaptive', got {k!r}") from None
+    FixedK(fixed)  # validates
+    return lambda: FixedK(fixed)
+
+
+def check_pair(target: LoadedModel, draft: LoadedModel) -> None:
+    """Token-level drafting needs the same ids for the same strings."""
+    if target.tokenizer.vocab_fingerprint() != draft.tokenizer.vocab_fingerprint():
+        raise IncompatibleDraftError(
+            f"draft {draft.name!r} uses a different tokenizer than target {target.name!r}: its token ids "
+            "mean other strings, so its drafts cannot be verified token by token. Pick a draft from the "
+            "target's family (e.g. qwen-0.5b for qwen-1.5b) or use --draft ngram."
+        )
+
+
+def prepare_draft_model(draft: LoadedModel, spec: EngineSpec, target: LoadedModel) -> Callable[[], Drafter]:
+    """Apply the cost levers once; each answer then gets a drafter with its own KV cache."""
+    model = draft.model
+    keep_ids, full_vocab = None, 0
+    if 0 < spec.draft_vocab < model.get_output_embeddings().out_features:
+        ids = set(range(spec.draft_vocab)) | target.tokenizer.eos_token_ids
+        keep_ids = torch.tensor(sorted(ids), device=draft.device)
+        full_vocab = restrict_vocab(model, keep_ids)
+    if spec.draft_quant == "int8":
+        if draft.device.type != "cpu":
+            raise ValueError("--draft-quant int8 is a CPU lever; use --draft-quant none on CUDA")
+        from torch.ao.quantization import quantize_dynamic
+
+        model = quantize_dynamic(model.float(), {torch.nn.Linear}, dtype=torch.qint8)
+    elif spec.draft_quant != "none":
+        raise ValueError(f"--draft-quant must be int8 or none, got {spec.draft_quant!r}")
+    return lambda: DraftModelDrafter(model, draft.device, keep_ids, full_vocab)
+
+
+def build_engine(spec: EngineSpec) -> tuple[SpeculativeEngine, LoadedModel]:
+    dtype = DTYPES.get(spec.dtype)
+    if dtype is None:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {spec.dtype!r}")
+    uses_draft_model = spec.draft not in ("none", "ngram")
+    names = [spec.target] + ([spec.draft] if uses_draft_model else [])
+    check_memory(estimate_pair_bytes(names, dtype), torch.device(spec.device))
+    target = load_model(spec.target, dtype, spec.device)
+    factory: Callable[[], Drafter] | None = None
+    if spec.draft == "ngram":
+        factory = NGramDrafter
+    elif uses_draft_model:
+        draft = load_model(spec.draft, dtype, spec.device)
+        check_pair(target, draft)
+        factory = prepare_draft_model(draft, spec, target)
+    engine = SpeculativeEngine(target, factory, k_policy_factory(spec.k, spec.k_min, spec.k_max),
+                               spec.max_speculative_sequences)
+    return engine, target

@@ -1,0 +1,122 @@
+"""Drafters: propose K tokens, then learn what the target accepted. Verification lives elsewhere."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from .kv import PrefixCache
+from .sampling import SamplingParams, logits_to_probs, sample
+
+
+@dataclass
+class Proposal:
+    tokens: list[int]
+    probs: torch.Tensor | None  # (K, V) draft distribution q, or None when the drafter is deterministic
+    forwards: int  # draft model forward passes spent (0 for n-gram)
+
+
+class Drafter(Protocol):
+    name: str
+
+    def propose(self, context: list[int], k: int, params: SamplingParams,
+                generator: torch.Generator | None) -> Proposal: ...
+
+    def observe(self, context: list[int], n_accepted: int) -> None:
+        """Told after verification: context now ends with the accepted drafts plus the target's token."""
+
+
+def restrict_vocab(model: torch.nn.Module, keep_ids: torch.Tensor) -> int:
+    """Replace the LM head by its rows for keep_ids, so the draft computes only those logits.
+
+    BPE ids are ordered roughly by frequency, so the first N ids cover most text. The target still
+    verifies every token, so this stays lossless; it changes only how often drafts are accepted.
+    Returns the full vocabulary size.
+    """
+    head = model.get_output_embeddings()
+    small = torch.nn.Linear(head.in_features, len(keep_ids), bias=head.bias is not None)
+    small = small.to(device=head.weight.device, dtype=head.weight.dtype)
+    with torch.no_grad():
+        small.weight.copy_(head.weight[keep_ids])
+        if head.bias is not None:
+            small.bias.copy_(head.bias[keep_ids])
+    model.config.tie_word_embeddings = False
+    model.set_output_embeddings(small)
+    return head.out_features
+
+
+class DraftModelDrafter:
+    """A small causal LM with the target's vocabulary, decoding K tokens with its own KV cache.
+
+    keep_ids: when the model's head was cut down by restrict_vocab, the full ids of its output rows.
+    """
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, keep_ids: torch.Tensor | None = None,
+                 full_vocab: int = 0) -> None:
+        self.name = "draft-model"
+        self.model = model
+        self.cache = PrefixCache(model, device)
+        self.keep_ids = keep_ids
+        self.full_vocab = full_vocab
+
+    def _to_full(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.keep_ids is None:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.full_vocab), float("-inf"))
+        return full.index_copy_(-1, self.keep_ids, logits)
+
+    @torch.inference_mode()
+    def propose(self, context: list[int], k: int, params: SamplingParams,
+                generator: torch.Generator | None) -> Proposal:
+        logits = self.cache.extend(context)
+        tokens: list[int] = []
+        probs = []
+        for i in range(k):
+            row = logits[-1]
+            if params.greedy:
+                local = int(row.argmax())
+                tok = int(self.keep_ids[local]) if self.keep_ids is not None else local
+            else:
+                q = logits_to_probs(self._to_full(row), params)
+                tok = sample(q, generator)
+                probs.append(q)
+            tokens.append(tok)
+            if i + 1 < k:  # the last draft token needs no forward of its own
+                logits = self.cache.extend(context + tokens)
+        return Proposal(tokens, torch.stack(probs) if probs else None, forwards=k)
+
+    def observe(self, context: list[int], n_accepted: int) -> None:
+        # Nothing to roll back eagerly: the next extend() crops the cache to the common prefix.
+        pass
+
+
+class NGramDrafter:
+    """Prompt lookup: find the latest earlier occurrence of the context's last n tokens and propose
+    what followed it. Costs no model forward; strong on structured or repeated text."""
+
+    def __init__(self, max_ngram: int = 4, min_ngram: int = 1) -> None:
+        self.name = "ngram"
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+
+    def propose(self, context: list[int], k: int, params: SamplingParams,
+                generator: torch.Generator | None) -> Proposal:
+        return Proposal(ngram_lookup(context, k, self.max_ngram, self.min_ngram), None, forwards=0)
+
+    def observe(self, context: list[int], n_accepted: int) -> None:
+        pass
+
+
+def ngram_lookup(context: list[int], k: int, max_ngram: int = 4, min_ngram: int = 1) -> list[int]:
+    """Continuation of the most recent earlier match of the longest suffix n-gram (n from max to min)."""
+    n_ctx = len(context)
+    for n in range(min(max_ngram, n_ctx - 1), min_ngram - 1, -1):
+        suffix = context[n_ctx - n:]
+        for start in range(n_ctx - n - 1, -1, -1):
+            if context[start:start + n] == suffix:
+                follow = context[start + n:start + n + k]
+                if follow:
+                    return follow
+    return []

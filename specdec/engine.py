@@ -1,0 +1,164 @@
+"""The speculative decoding loop: draft K tokens, verify them in one target forward, stream the result."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from .drafters import Drafter, Proposal
+from .kpolicy import KPolicy, SpeculationGovernor
+from .kv import PrefixCache
+from .metrics import SpecStats
+from .models import LoadedModel
+from .sampling import SamplingParams, accept_greedy, accept_sampled, logits_to_probs, sample
+
+
+class PromptError(ValueError):
+    pass
+
+
+@dataclass
+class GenerationConfig:
+    max_new_tokens: int = 128
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    seed: int = 0
+    speculate: bool = True
+
+
+@dataclass
+class StepEvent:
+    """One target forward pass and what it emitted."""
+
+    step: int
+    tokens: list[int]  # emitted this step: accepted drafts, then the target's own token
+    from_draft: list[bool]  # per emitted token: True if it was an accepted draft
+    drafted: list[int]
+    n_accepted: int
+    draft_seconds: float
+    verify_seconds: float
+    k: int  # drafts proposed this step (0: a plain target step)
+    note: str = ""  # why speculation changed state, if it did
+    finish_reason: str | None = None  # "eos", "length", "context", "cancelled" on the last event
+
+
+class SpeculativeEngine:
+    """Streams tokens from `target`, speculating with drafters made by `drafter_factory`."""
+
+    def __init__(self, target: LoadedModel, drafter_factory: Callable[[], Drafter] | None,
+                 k_policy_factory: Callable[[], KPolicy], max_speculative_sequences: int = 4) -> None:
+        self.target = target
+        self.drafter_factory = drafter_factory
+        self.k_policy_factory = k_policy_factory
+        self.max_speculative_sequences = max_speculative_sequences
+        self._active = 0
+        self._lock = threading.Lock()
+
+    def check_prompt(self, prompt_ids: list[int], max_new_tokens: int = 1) -> None:
+        if max_new_tokens < 1:
+            raise PromptError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
+        if not prompt_ids:
+            raise PromptError("empty prompt: nothing to answer")
+        limit = self.target.max_context - 1
+        if len(prompt_ids) > limit:
+            raise PromptError(f"prompt is {len(prompt_ids)} tokens; the target's context holds {limit} plus one "
+                              "generated token. Shorten the prompt or the conversation history.")
+
+    def stream(self, prompt_ids: list[int], config: GenerationConfig,
+               cancel: threading.Event | None = None, stats: SpecStats | None = None) -> Iterator[StepEvent]:
+        self.check_prompt(prompt_ids, config.max_new_tokens)
+        stats = stats if stats is not None else SpecStats()
+        with self._lock:
+            self._active += 1
+        try:
+            yield from self._loop(list(prompt_ids), config, cancel, stats)
+        finally:
+            with self._lock:
+                self._active -= 1
+
+    def _loop(self, ctx: list[int], config: GenerationConfig, cancel: threading.Event | None,
+              stats: SpecStats) -> Iterator[StepEvent]:
+        target = PrefixCache(self.target.model, self.target.device)
+        drafter = self.drafter_factory() if (config.speculate and self.drafter_factory) else None
+        policy = self.k_policy_factory()
+        governor = SpeculationGovernor()
+        gen = torch.Generator(device=self.target.device).manual_seed(config.seed)
+        params = config.sampling
+        budget = min(config.max_new_tokens, self.target.max_context - len(ctx))
+        eos = self.target.tokenizer.eos_token_ids
+        produced = 0
+        step = 0
+        while True:
+            note = ""
+            busy = self._active > self.max_speculative_sequences
+            if busy and drafter is not None:
+                note = f"speculation paused: {self._active} sequences > limit {self.max_speculative_sequences}"
+            k = 0 if (drafter is None or busy) else min(policy.next_k(stats), budget - produced - 1)
+            if drafter is not None and governor.off_reason:
+                note, drafter = governor.off_reason, None
+                k = 0
+            t0 = time.perf_counter()
+            proposal = Proposal([], None, 0)
+            if k > 0:
+                try:
+                    proposal = drafter.propose(ctx, k, params, gen)
+                except Exception as e:  # a failing drafter must not cost the answer: go on with the target
+                    note, drafter, k = f"drafter failed ({type(e).__name__}: {e}); continuing target-only", None, 0
+            t1 = time.perf_counter()
+            n_acc, nxt = self._verify(target, ctx, proposal, params, gen)
+            t2 = time.perf_counter()
+            emitted = proposal.tokens[:n_acc] + [nxt]
+            from_draft = [True] * n_acc + [False]
+            k = len(proposal.tokens)
+            if k:
+                stats.record(k, n_acc, len(emitted), t1 - t0, proposal.forwards, t2 - t1)
+                policy.observe(n_acc, k, t1 - t0, t2 - t1)
+                drafter.observe(ctx + emitted, n_acc)
+            governor.observe(k, len(emitted), t1 - t0, t2 - t1)
+            # Trim at EOS and at the token budget; the target cache is rolled back on the next extend.
+            finish = None
+            for i, tok in enumerate(emitted):
+                if tok in eos:
+                    emitted, from_draft, finish = emitted[:i + 1], from_draft[:i + 1], "eos"
+                    break
+            room = budget - produced
+            if len(emitted) >= room and finish is None:
+                finish = "length" if budget == config.max_new_tokens else "context"
+            emitted, from_draft = emitted[:room], from_draft[:room]
+            ctx += emitted
+            produced += len(emitted)
+            if finish is None and cancel is not None and cancel.is_set():
+                finish = "cancelled"
+            step += 1
+            yield StepEvent(step, emitted, from_draft, proposal.tokens, n_acc, t1 - t0, t2 - t1, k, note, finish)
+            if finish:
+                return
+
+    @staticmethod
+    def _verify(target: PrefixCache, ctx: list[int], proposal: Proposal, params: SamplingParams,
+                gen: torch.Generator) -> tuple[int, int]:
+        """One target forward over ctx + drafts; returns (accepted drafts, the target's next token)."""
+        drafts = proposal.tokens
+        logits = target.extend(ctx + drafts, n_logits=len(drafts) + 1)[-(len(drafts) + 1):]
+        if params.greedy:
+            n_acc, nxt = accept_greedy(drafts, logits.argmax(-1).tolist())
+        elif drafts:
+            n_acc, nxt = accept_sampled(drafts, logits_to_probs(logits, params), proposal.probs, gen)
+        else:
+            n_acc, nxt = 0, sample(logits_to_probs(logits[-1], params), gen)
+        # The cache keeps ctx and the accepted drafts; rejected drafts are dropped now.
+        target.rollback(len(ctx) + n_acc)
+        return n_acc, nxt
+
+
+def collect(events: Iterator[StepEvent]) -> tuple[list[int], list[StepEvent]]:
+    """Drain a stream: all emitted tokens, and the events."""
+    tokens: list[int] = []
+    seen = []
+    for ev in events:
+        tokens += ev.tokens
+        seen.append(ev)
+    return tokens, seen

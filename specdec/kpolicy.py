@@ -1,0 +1,93 @@
+"""How many tokens to draft per step, and when speculation should stop altogether."""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from typing import Protocol
+
+from .metrics import SpecStats, expected_speedup
+
+
+class KPolicy(Protocol):
+    def next_k(self, stats: SpecStats) -> int: ...
+
+    def observe(self, n_accepted: int, k: int, draft_s: float, verify_s: float) -> None: ...
+
+
+class FixedK:
+    def __init__(self, k: int) -> None:
+        if k < 1:
+            raise ValueError(f"K must be ≥ 1, got {k}")
+        self.k = k
+
+    def next_k(self, stats: SpecStats) -> int:
+        return self.k
+
+    def observe(self, n_accepted: int, k: int, draft_s: float, verify_s: float) -> None:
+        pass
+
+
+class AdaptiveK:
+    """Pick the K in [k_min, k_max] with the best expected speedup E(α, K) / (cK + 1), where α and the
+    draft cost ratio c are exponential moving averages of what the last steps measured."""
+
+    def __init__(self, k_min: int = 3, k_max: int = 6, k_start: int = 4, decay: float = 0.8) -> None:
+        if not 1 <= k_min <= k_max:
+            raise ValueError(f"need 1 ≤ k_min ≤ k_max, got {k_min}, {k_max}")
+        self.k_min, self.k_max = k_min, k_max
+        self.k = min(max(k_start, k_min), k_max)
+        self.decay = decay
+        self.alpha: float | None = None
+        self.c: float | None = None
+
+    def _ema(self, old: float | None, new: float) -> float:
+        return new if old is None else self.decay * old + (1 - self.decay) * new
+
+    def observe(self, n_accepted: int, k: int, draft_s: float, verify_s: float) -> None:
+        # One step is a truncated geometric sample: n accepted, then one rejection unless n == k.
+        step_alpha = n_accepted / (n_accepted + (n_accepted < k))
+        self.alpha = self._ema(self.alpha, step_alpha)
+        if verify_s > 0:
+            self.c = self._ema(self.c, (draft_s / k) / verify_s if k else 0.0)
+        alpha = min(self.alpha, 0.999)
+        c = self.c or 0.0
+        self.k = max(range(self.k_min, self.k_max + 1), key=lambda kk: expected_speedup(alpha, kk, c))
+
+    def next_k(self, stats: SpecStats) -> int:
+        return self.k
+
+
+class SpeculationGovernor:
+    """Switches speculation off, with the reason, when it is measured to be slower than target-only.
+
+    Speculative rate: tokens emitted ÷ (draft + verify seconds) over recent steps. Target-only rate: from
+    plain one-token target steps if any were seen, else 1 ÷ verify seconds (a verify pass costs at least
+    a one-token forward, so this errs towards keeping speculation on only when it clearly pays).
+    """
+
+    def __init__(self, window: int = 8, min_steps: int = 6) -> None:
+        self.spec = deque(maxlen=window)
+        self.plain = deque(maxlen=window)
+        self.verify = deque(maxlen=window)
+        self.min_steps = min_steps
+        self.seen = 0
+        self.off_reason = ""
+
+    def observe(self, k: int, emitted: int, draft_s: float, verify_s: float) -> None:
+        self.seen += 1
+        if self.seen == 1:
+            return  # the first step carries the prompt's prefill
+        if k == 0:
+            self.plain.append(verify_s)
+            return
+        self.spec.append((emitted, draft_s + verify_s))
+        self.verify.append(verify_s)
+        if len(self.spec) < self.min_steps or self.off_reason:
+            return
+        spec_rate = sum(e for e, _ in self.spec) / sum(s for _, s in self.spec)
+        single = statistics.median(self.plain) if self.plain else statistics.median(self.verify)
+        plain_rate = 1.0 / single
+        if spec_rate < plain_rate:
+            self.off_reason = (f"speculation switched off: measured {spec_rate:.1f} tok/s with drafts vs "
+                               f"{plain_rate:.1f} tok/s target-only")

