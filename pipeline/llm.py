@@ -1,0 +1,103 @@
+"""The LLM stage: chat messages in, a stream of text deltas (with speculation facts) out."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from specdec.engine import GenerationConfig, SpeculativeEngine
+from specdec.metrics import SpecStats
+from specdec.sampling import SamplingParams
+from specdec.tokenizer import Tokenizer
+
+SYSTEM_PROMPT = (
+    "You are a friendly voice assistant. Answer in one to three short spoken sentences, plain words, "
+    "no lists, no markdown, no code unless asked."
+)
+
+
+@dataclass
+class LLMDelta:
+    text: str  # newly decoded text (may be empty while a multi-byte character is incomplete)
+    tokens: int  # tokens emitted in this delta
+    from_draft: list[bool]  # per token: accepted from a draft; empty when the server does not say
+    drafted: int  # draft tokens proposed for this delta's step
+    accepted: int  # of those, accepted
+    t: float  # time.perf_counter() when it was emitted
+    finish_reason: str | None = None
+
+
+@dataclass
+class ReplyStats:
+    """Facts about one reply, filled while it streams."""
+
+    tokens: int = 0
+    first_token_t: float | None = None
+    last_token_t: float | None = None
+    spec: SpecStats = field(default_factory=SpecStats)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        if self.tokens < 2 or self.first_token_t is None or self.last_token_t is None:
+            return 0.0
+        return (self.tokens - 1) / max(self.last_token_t - self.first_token_t, 1e-9)
+
+
+class LLMStage(Protocol):
+    name: str
+
+    def stream_reply(self, messages: list[dict[str, str]], speculation: bool, stats: ReplyStats,
+                     cancel: threading.Event | None = None) -> Iterator[LLMDelta]: ...
+
+
+class IncrementalDecoder:
+    """Token ids → text deltas, holding back bytes of an unfinished UTF-8 character."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.text = ""
+
+    def push(self, ids: list[int]) -> str:
+        self.ids += ids
+        full = self.tokenizer.decode(self.ids)
+        if full.endswith("\ufffd"):
+            return ""
+        delta, self.text = full[len(self.text):], full
+        return delta
+
+
+class EngineLLM:
+    """The in-process speculative engine as the LLM stage."""
+
+    def __init__(self, engine: SpeculativeEngine, max_new_tokens: int = 96,
+                 sampling: SamplingParams | None = None, seed: int = 0) -> None:
+        self.name = "engine"
+        self.engine = engine
+        self.tokenizer = engine.target.tokenizer
+        self.max_new_tokens = max_new_tokens
+        self.sampling = sampling or SamplingParams()
+        self.seed = seed
+
+    def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        return self.tokenizer.chat_ids(messages)
+
+    def stream_reply(self, messages: list[dict[str, str]], speculation: bool, stats: ReplyStats,
+                     cancel: threading.Event | None = None) -> Iterator[LLMDelta]:
+        config = GenerationConfig(self.max_new_tokens, self.sampling, self.seed, speculate=speculation)
+        decoder = IncrementalDecoder(self.tokenizer)
+        eos = self.tokenizer.eos_token_ids
+        for ev in self.engine.stream(self.prompt_ids(messages), config, cancel, stats.spec):
+            now = time.perf_counter()
+            if ev.note:
+                stats.notes.append(ev.note)
+            if stats.first_token_t is None:
+                stats.first_token_t = now
+            stats.last_token_t = now
+            stats.tokens += len(ev.tokens)
+            text = decoder.push([t for t in ev.tokens if t not in eos])
+            yield LLMDelta(text, len(ev.tokens), ev.from_draft, ev.k, ev.n_accepted, now, ev.finish_reason)
