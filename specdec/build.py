@@ -67,9 +67,13 @@ def prepare_draft_model(draft: LoadedModel, spec: EngineSpec, target: LoadedMode
     if spec.draft_quant == "int8":
         if draft.device.type != "cpu":
             raise ValueError("--draft-quant int8 is a CPU lever; use --draft-quant none on CUDA")
+        import warnings
+
         from torch.ao.quantization import quantize_dynamic
 
-        model = quantize_dynamic(model.float(), {torch.nn.Linear}, dtype=torch.qint8)
+        with warnings.catch_warnings():  # deprecated in favour of torchao, still the fastest CPU path in 2.13
+            warnings.simplefilter("ignore")
+            model = quantize_dynamic(model.float(), {torch.nn.Linear}, dtype=torch.qint8)
     elif spec.draft_quant != "none":
         raise ValueError(f"--draft-quant must be int8 or none, got {spec.draft_quant!r}")
     return lambda: DraftModelDrafter(model, draft.device, keep_ids, full_vocab)
@@ -93,3 +97,27 @@ def build_engine(spec: EngineSpec) -> tuple[SpeculativeEngine, LoadedModel]:
     engine = SpeculativeEngine(target, factory, k_policy_factory(spec.k, spec.k_min, spec.k_max),
                                spec.max_speculative_sequences)
     return engine, target
+
+
+def add_engine_arguments(parser, draft_default: str = EngineSpec.draft) -> None:
+    d = EngineSpec()
+    parser.add_argument("--target", default=d.target, help="preset, local directory or hub id")
+    parser.add_argument("--draft", default=draft_default, help="draft preset/path/hub id, 'ngram' or 'none'")
+    parser.add_argument("--k", default=d.k, help="drafts per step: an integer or 'adaptive'")
+    parser.add_argument("--k-min", type=int, default=d.k_min)
+    parser.add_argument("--k-max", type=int, default=d.k_max)
+    parser.add_argument("--dtype", default=d.dtype, choices=list(DTYPES))
+    parser.add_argument("--device", default=d.device, help="cpu or cuda")
+    parser.add_argument("--draft-quant", default=d.draft_quant, choices=["int8", "none"],
+                        help="int8: dynamic int8 Linear layers for the draft (CPU)")
+    parser.add_argument("--draft-vocab", type=int, default=d.draft_vocab,
+                        help="draft LM head over the first N token ids (0: whole vocabulary)")
+    parser.add_argument("--max-speculative-sequences", type=int, default=d.max_speculative_sequences,
+                        help="speculation pauses while more sequences than this decode at once")
+
+
+def spec_from_args(args) -> EngineSpec:
+    if args.device == "cuda" and args.draft_quant == "int8":
+        args.draft_quant = "none"  # dynamic int8 is a CPU kernel
+    return EngineSpec(args.target, args.draft, args.k, args.k_min, args.k_max, args.dtype, args.device,
+                      args.draft_quant, args.draft_vocab, args.max_speculative_sequences)

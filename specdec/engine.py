@@ -49,11 +49,13 @@ class SpeculativeEngine:
     """Streams tokens from `target`, speculating with drafters made by `drafter_factory`."""
 
     def __init__(self, target: LoadedModel, drafter_factory: Callable[[], Drafter] | None,
-                 k_policy_factory: Callable[[], KPolicy], max_speculative_sequences: int = 4) -> None:
+                 k_policy_factory: Callable[[], KPolicy], max_speculative_sequences: int = 4,
+                 auto_off: bool = True) -> None:
         self.target = target
         self.drafter_factory = drafter_factory
         self.k_policy_factory = k_policy_factory
         self.max_speculative_sequences = max_speculative_sequences
+        self.auto_off = auto_off  # let the governor switch speculation off when it measures it slower
         self._active = 0
         self._lock = threading.Lock()
 
@@ -92,12 +94,15 @@ class SpeculativeEngine:
         produced = 0
         step = 0
         while True:
+            if cancel is not None and cancel.is_set():  # checked before spending a forward pass
+                yield StepEvent(step + 1, [], [], [], 0, 0.0, 0.0, 0, "", "cancelled")
+                return
             note = ""
             busy = self._active > self.max_speculative_sequences
             if busy and drafter is not None:
                 note = f"speculation paused: {self._active} sequences > limit {self.max_speculative_sequences}"
             k = 0 if (drafter is None or busy) else min(policy.next_k(stats), budget - produced - 1)
-            if drafter is not None and governor.off_reason:
+            if drafter is not None and governor.off_reason and self.auto_off:
                 note, drafter = governor.off_reason, None
                 k = 0
             t0 = time.perf_counter()
@@ -130,8 +135,6 @@ class SpeculativeEngine:
             emitted, from_draft = emitted[:room], from_draft[:room]
             ctx += emitted
             produced += len(emitted)
-            if finish is None and cancel is not None and cancel.is_set():
-                finish = "cancelled"
             step += 1
             yield StepEvent(step, emitted, from_draft, proposal.tokens, n_acc, t1 - t0, t2 - t1, k, note, finish)
             if finish:

@@ -98,7 +98,7 @@ def tiny_config():
     )
 
 
-def build_tiny_random(noise_seed: int | None) -> torch.nn.Module:
+def build_tiny_random(noise_seed: int | None, noise: float = TINY_DRAFT_NOISE) -> torch.nn.Module:
     """A small random Qwen2 model. With noise_seed, a perturbed copy of the target: a stand-in for a
     distilled draft that agrees often but not always."""
     from transformers import AutoModelForCausalLM
@@ -112,7 +112,7 @@ def build_tiny_random(noise_seed: int | None) -> torch.nn.Module:
         if noise_seed is not None:
             g = torch.Generator().manual_seed(noise_seed)
             for p in model.parameters():
-                p.add_(torch.randn(p.shape, generator=g) * p.std() * TINY_DRAFT_NOISE)
+                p.add_(torch.randn(p.shape, generator=g) * p.std() * noise)
     return model
 
 

@@ -1,0 +1,44 @@
+"""`specvoice` console script: one entry point, one subcommand per job."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> (module with add_arguments(parser) and main(args) -> int, help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "generate": ("specdec.generate_cli", "answer one prompt with (or without) speculation"),
+    "bench": ("specdec.bench", "target-only vs speculative vs transformers assisted, side by side"),
+    "calibrate": ("specdec.calibrate", "measure forward costs and acceptance, fit the latency model"),
+    "say": ("pipeline.say", "one voice turn from a WAV recording"),
+    "bench-voice": ("pipeline.bench_voice", "paired speculation off/on TTFA over many recordings"),
+    "app": ("app.server", "start the browser app"),
+    "casestudy": ("app.casestudy", "reproduce and explain the 700 ms → 240 ms case study"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specvoice", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text)
+        p.set_defaults(_module=module)
+        importlib.import_module(module).add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(importlib.import_module(args._module).main(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, RuntimeError, FileNotFoundError) as e:
+        # Bad input and unusable models end in one clear line, not a traceback.
+        print(f"specvoice {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,274 @@
+"""The engine on tiny random fp32 models: lossless output, cache rollback, K policy, fallbacks, errors."""
+
+import threading
+
+import pytest
+import torch
+
+from specdec.build import EngineSpec, IncompatibleDraftError, build_engine, check_pair, k_policy_factory
+from specdec.drafters import DraftModelDrafter, NGramDrafter
+from specdec.engine import GenerationConfig, PromptError, SpeculativeEngine, collect
+from specdec.kpolicy import AdaptiveK, SpeculationGovernor
+from specdec.kv import PrefixCache
+from specdec.metrics import SpecStats
+from specdec.models import ModelLoadError, check_memory, load_model
+from specdec.sampling import SamplingParams, logits_to_probs
+
+PROMPTS = ["hello there", "what is two plus two?", "tell me a story about a cat", "a b a b a b a b", "x"]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    target = load_model("tiny-random-target", torch.float32)
+    draft = load_model("tiny-random-draft", torch.float32)
+    return target, draft
+
+
+def make_engine(target, drafter_factory, k="4", **kw):
+    return SpeculativeEngine(target, drafter_factory, k_policy_factory(k), auto_off=False, **kw)
+
+
+def target_only(target, prompt_ids, n, sampling=None, seed=0):
+    engine = make_engine(target, None)
+    return collect(engine.stream(prompt_ids, GenerationConfig(n, sampling or SamplingParams(), seed, False)))[0]
+
+
+def draft_factory(draft):
+    return lambda: DraftModelDrafter(draft.model, draft.device)
+
+
+@pytest.mark.parametrize("k", ["1", "2", "4", "7", "adaptive"])
+@pytest.mark.parametrize("drafter", ["model", "ngram"])
+def test_greedy_output_identical_to_target_only(tiny, k, drafter):
+    target, draft = tiny
+    factory = draft_factory(draft) if drafter == "model" else NGramDrafter
+    engine = make_engine(target, factory, k)
+    proposed = 0
+    for text in PROMPTS:
+        ids = target.tokenizer.chat_ids([{"role": "user", "content": text}])
+        stats = SpecStats()
+        spec, _ = collect(engine.stream(ids, GenerationConfig(40), stats=stats))
+        assert spec == target_only(target, ids, 40), text
+        proposed += stats.proposed
+    assert proposed > 0  # speculation really ran
+
+
+def test_draft_acceptance_is_partial_so_rejections_are_exercised(tiny):
+    target, draft = tiny
+    engine = make_engine(target, draft_factory(draft), "4")
+    stats = SpecStats()
+    for text in PROMPTS:
+        ids = target.tokenizer.chat_ids([{"role": "user", "content": text}])
+        collect(engine.stream(ids, GenerationConfig(40), stats=stats))
+    assert 0.2 < stats.draft_acceptance_rate < 0.95
+    assert stats.rejections > 5
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_greedy_identical_across_seeds_of_draft_noise(seed):
+    from specdec.models import build_tiny_random
+
+    target = load_model("tiny-random-target", torch.float32)
+    draft_model = build_tiny_random(100 + seed)
+    engine = make_engine(target, lambda: DraftModelDrafter(draft_model, target.device), "3")
+    ids = target.tokenizer.chat_ids([{"role": "user", "content": f"seed {seed} prompt"}])
+    assert collect(engine.stream(ids, GenerationConfig(30)))[0] == target_only(target, ids, 30)
+
+
+def test_vocab_restricted_draft_stays_lossless(tiny):
+    target, _ = tiny
+    spec = EngineSpec("tiny-random-target", "tiny-random-draft", "3", dtype="float32", draft_quant="int8",
+                      draft_vocab=120)
+    engine, _ = build_engine(spec)
+    engine.auto_off = False
+    engine.target = target
+    for text in PROMPTS[:3]:
+        ids = target.tokenizer.chat_ids([{"role": "user", "content": text}])
+        assert collect(engine.stream(ids, GenerationConfig(30)))[0] == target_only(target, ids, 30)
+
+
+def _first_two_token_freqs(engine, ids, params, n):
+    counts1, pairs = torch.zeros(259), {}
+    for seed in range(n):
+        toks = collect(engine.stream(ids, GenerationConfig(3, params, seed=seed)))[0]
+        counts1[toks[0]] += 1
+        if len(toks) > 1:  # a first token of EOS ends the answer
+            pairs.setdefault(toks[0], []).append(toks[1])
+    return counts1 / n, pairs
+
+
+@torch.inference_mode()
+def test_sampling_output_distribution_equals_target(tiny):
+    """First and second emitted tokens under speculative sampling follow the target's exact distributions."""
+    from specdec.models import build_tiny_random
+
+    target, _ = tiny
+    # A poor draft: its distribution differs a lot from the target's, so the correction path does real work.
+    draft_model = build_tiny_random(7, noise=0.3)
+    params = SamplingParams(temperature=1.5, top_p=0.95)
+    ids = target.tokenizer.chat_ids([{"role": "user", "content": "hi"}])
+    engine = make_engine(target, lambda: DraftModelDrafter(draft_model, target.device), "2")
+    n = 1500
+    freq1, pairs = _first_two_token_freqs(engine, ids, params, n)
+    p1 = logits_to_probs(target.model(torch.tensor([ids])).logits[0, -1], params)
+    # Total variation distance between empirical and exact: ~sqrt(V_eff / n) / 2 under the null.
+    support = int((p1 > 0).sum())
+    tv_bound = 1.5 * (support / n) ** 0.5 / 2 + 0.02
+    assert 0.5 * float((freq1 - p1).abs().sum()) < tv_bound
+    top = max(pairs, key=lambda t: len(pairs[t]))
+    p2 = logits_to_probs(target.model(torch.tensor([ids + [top]])).logits[0, -1], params)
+    seconds = torch.bincount(torch.tensor(pairs[top]), minlength=259).float() / len(pairs[top])
+    support2 = int((p2 > 0).sum())
+    assert 0.5 * float((seconds - p2).abs().sum()) < 1.5 * (support2 / len(pairs[top])) ** 0.5 / 2 + 0.02
+    # Teeth: the draft's own distribution differs measurably from the target's.
+    q1 = logits_to_probs(draft_model(torch.tensor([ids])).logits[0, -1], params)
+    assert 0.5 * float((q1 - p1).abs().sum()) > tv_bound
+
+
+@torch.inference_mode()
+def test_cache_rollback_matches_fresh_forward(tiny):
+    target, _ = tiny
+    cache = PrefixCache(target.model, target.device)
+    ids = list(range(10, 40))
+    cache.extend(ids + [50, 51, 52], n_logits=4)
+    cache.rollback(len(ids) + 1)  # keep one accepted draft, drop two
+    assert cache.tokens == ids + [50] and cache.kv.get_seq_length() == len(ids) + 1
+    got = cache.extend(ids + [50, 77])[-1]
+    fresh = target.model(torch.tensor([ids + [50, 77]])).logits[0, -1]
+    assert torch.allclose(got, fresh, atol=1e-4)
+
+
+def test_adaptive_k_moves_with_acceptance():
+    high = AdaptiveK(3, 6)
+    for _ in range(10):
+        high.observe(high.k, high.k, draft_s=0.01 * high.k, verify_s=0.2)
+    assert high.k == 6
+    low = AdaptiveK(3, 6)
+    for _ in range(10):
+        low.observe(0, low.k, draft_s=0.1 * low.k, verify_s=0.2)
+    assert low.k == 3
+
+
+def test_adaptive_k_runs_in_engine_within_bounds(tiny):
+    target, draft = tiny
+    engine = make_engine(target, draft_factory(draft), "adaptive")
+    _, events = collect(engine.stream(target.tokenizer.chat_ids([{"role": "user", "content": "go"}]),
+                                      GenerationConfig(100)))
+    produced, ks = 0, set()
+    for ev in events:
+        if 100 - produced > 7:  # near the end the token budget caps K below k_min
+            ks.add(ev.k)
+        produced += len(ev.tokens)
+    assert ks and all(3 <= k <= 6 for k in ks)
+
+
+def test_governor_switches_off_when_measured_slower():
+    gov = SpeculationGovernor(window=4, min_steps=3)
+    for _ in range(6):
+        gov.observe(k=4, emitted=1, draft_s=0.3, verify_s=0.2)  # 2 tok/s vs 5 tok/s target-only
+    assert "switched off" in gov.off_reason
+    fast = SpeculationGovernor(window=4, min_steps=3)
+    for _ in range(6):
+        fast.observe(k=4, emitted=4, draft_s=0.05, verify_s=0.2)
+    assert fast.off_reason == ""
+
+
+def test_engine_reports_auto_off_and_stays_lossless(tiny):
+    target, _ = tiny
+
+    class SlowUselessDrafter(NGramDrafter):
+        def propose(self, context, k, params, generator):
+            import time
+
+            time.sleep(0.02)
+            return super().propose(context, k, params, generator).__class__([1] * k, None, k)
+
+    engine = SpeculativeEngine(target, SlowUselessDrafter, k_policy_factory("4"))
+    ids = target.tokenizer.chat_ids([{"role": "user", "content": "hello"}])
+    tokens, events = collect(engine.stream(ids, GenerationConfig(40)))
+    assert tokens == target_only(target, ids, 40)
+    assert any("switched off" in ev.note for ev in events)
+    assert events[-1].k == 0
+
+
+def test_drafter_failing_mid_answer_falls_back_and_keeps_tokens(tiny):
+    target, draft = tiny
+    calls = {"n": 0}
+
+    class Flaky(DraftModelDrafter):
+        def propose(self, context, k, params, generator):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("draft server went away")
+            return super().propose(context, k, params, generator)
+
+    engine = make_engine(target, lambda: Flaky(draft.model, draft.device), "3")
+    ids = target.tokenizer.chat_ids([{"role": "user", "content": "hello there"}])
+    tokens, events = collect(engine.stream(ids, GenerationConfig(40)))
+    assert tokens == target_only(target, ids, 40)
+    assert len(tokens) == 40
+    assert any("drafter failed" in ev.note and "draft server went away" in ev.note for ev in events)
+    assert all(ev.k == 0 for ev in events[3:])
+
+
+def test_speculation_pauses_above_concurrency_limit(tiny):
+    target, draft = tiny
+    engine = make_engine(target, draft_factory(draft), "3", max_speculative_sequences=0)
+    ids = target.tokenizer.chat_ids([{"role": "user", "content": "hello"}])
+    tokens, events = collect(engine.stream(ids, GenerationConfig(10)))
+    assert all(ev.k == 0 for ev in events) and "paused" in events[0].note
+    assert tokens == target_only(target, ids, 10)
+
+
+def test_cancel_stops_promptly(tiny):
+    target, draft = tiny
+    engine = make_engine(target, draft_factory(draft), "3")
+    cancel = threading.Event()
+    ids = target.tokenizer.chat_ids([{"role": "user", "content": "hello"}])
+    events = []
+    for ev in engine.stream(ids, GenerationConfig(200), cancel):
+        events.append(ev)
+        cancel.set()
+    assert len(events) == 2 and events[1].finish_reason == "cancelled" and events[1].tokens == []
+
+
+def test_length_and_context_limits(tiny):
+    target, draft = tiny
+    engine = make_engine(target, draft_factory(draft), "4")
+    ids = target.tokenizer.chat_ids([{"role": "user", "content": "hello"}])
+    tokens, events = collect(engine.stream(ids, GenerationConfig(7)))
+    assert len(tokens) == 7 and events[-1].finish_reason == "length"
+    long_ids = ids + [97] * (target.max_context - len(ids) - 5)
+    tokens, events = collect(engine.stream(long_ids, GenerationConfig(50)))
+    assert len(tokens) == 5 and events[-1].finish_reason == "context"
+
+
+def test_bad_inputs_give_clear_errors(tiny):
+    target, draft = tiny
+    engine = make_engine(target, draft_factory(draft))
+    with pytest.raises(PromptError, match="empty prompt"):
+        list(engine.stream([], GenerationConfig(5)))
+    with pytest.raises(PromptError, match="context"):
+        list(engine.stream([65] * (target.max_context + 3), GenerationConfig(5)))
+    with pytest.raises(PromptError, match="max_new_tokens"):
+        list(engine.stream([65], GenerationConfig(0)))
+    with pytest.raises(ModelLoadError, match="unknown model"):
+        load_model("no-such-preset")
+    with pytest.raises(ValueError, match="--k"):
+        k_policy_factory("many")
+    with pytest.raises(ModelLoadError, match="not enough memory"):
+        check_memory([("huge", 1 << 50)], torch.device("cpu"))
+
+
+def test_incompatible_tokenizers_are_refused(tiny):
+    target, draft = tiny
+
+    class OtherVocab:
+        eos_token_ids = {0}
+
+        def vocab_fingerprint(self):
+            return ("other", 1)
+
+    other = type(draft)(draft.name, draft.model, OtherVocab(), draft.device, draft.dtype)
+    with pytest.raises(IncompatibleDraftError, match="different tokenizer"):
+        check_pair(target, other)
