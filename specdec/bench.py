@@ -47,9 +47,9 @@ def read_prompts(path: str, limit: int = 0) -> list[dict]:
     return rows[:limit] if limit else rows
 
 
-def _timed(fn) -> tuple[list[int], float]:
+def _timed(fn, *args) -> tuple[list[int], float]:
     t0 = time.perf_counter()
-    tokens = fn()
+    tokens = fn(*args)
     return tokens, time.perf_counter() - t0
 
 
@@ -115,9 +115,9 @@ def main(args: argparse.Namespace) -> int:
     results = []
     for i, row in enumerate(rows):
         prompt = target.tokenizer.chat_ids([{"role": "user", "content": row["prompt"]}])
-        base, base_s = _timed(lambda: run_engine(engine, prompt, base_cfg))
+        base, base_s = _timed(run_engine, engine, prompt, base_cfg)
         stats = SpecStats()
-        spec_tokens, spec_s = _timed(lambda: run_engine(engine, prompt, spec_cfg, stats))
+        spec_tokens, spec_s = _timed(run_engine, engine, prompt, spec_cfg, stats)
         for name in ("proposed", "accepted", "steps", "emitted", "rejections", "draft_seconds",
                      "draft_forwards", "verify_seconds"):
             setattr(total, name, getattr(total, name) + getattr(stats, name))
@@ -130,10 +130,10 @@ def main(args: argparse.Namespace) -> int:
                             explain_divergence(target.model, prompt, base, div)},
         }
         if args.compare == "hf":
-            hf_plain, hf_plain_s = _timed(lambda: hf_generate(target.model, prompt, n, eos))
+            hf_plain, hf_plain_s = _timed(hf_generate, target.model, prompt, n, eos)
             entry["hf_generate"] = {**_entry(hf_plain, hf_plain_s), "identical_to_baseline": hf_plain == base}
             if assistant is not None:
-                hf_tokens, hf_s = _timed(lambda: hf_generate(target.model, prompt, n, eos, assistant, k_hf))
+                hf_tokens, hf_s = _timed(hf_generate, target.model, prompt, n, eos, assistant, k_hf)
                 entry["hf_assisted"] = {**_entry(hf_tokens, hf_s), "identical_to_baseline": hf_tokens == base}
         entry["speedup"] = entry["speculative"]["tokens_per_s"] / entry["baseline"]["tokens_per_s"]
         results.append(entry)
