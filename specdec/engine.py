@@ -45,6 +45,28 @@ class StepEvent:
     finish_reason: str | None = None  # "eos", "length", "context", "cancelled" on the last event
 
 
+class EngineSession:
+    """KV caches kept across answers of one conversation: each answer then prefills only what is new
+    (the caches crop themselves to the common prefix). Not for concurrent use."""
+
+    def __init__(self, engine: SpeculativeEngine) -> None:
+        self.target = PrefixCache(engine.target.model, engine.target.device)
+        self.drafter = engine.drafter_factory() if engine.drafter_factory else None
+
+    def prefill(self, ids: list[int]) -> None:
+        """Warm both caches on a prefix that every answer shares (the system prompt)."""
+        self.target.extend(ids)
+        cache = getattr(self.drafter, "cache", None)
+        if cache is not None:
+            cache.extend(ids)
+
+    def rollback(self, length: int) -> None:
+        self.target.rollback(length)
+        cache = getattr(self.drafter, "cache", None)
+        if cache is not None:
+            cache.rollback(length)
+
+
 class SpeculativeEngine:
     """Streams tokens from `target`, speculating with drafters made by `drafter_factory`."""
 
@@ -69,22 +91,23 @@ class SpeculativeEngine:
             raise PromptError(f"prompt is {len(prompt_ids)} tokens; the target's context holds {limit} plus one "
                               "generated token. Shorten the prompt or the conversation history.")
 
-    def stream(self, prompt_ids: list[int], config: GenerationConfig,
-               cancel: threading.Event | None = None, stats: SpecStats | None = None) -> Iterator[StepEvent]:
+    def stream(self, prompt_ids: list[int], config: GenerationConfig, cancel: threading.Event | None = None,
+               stats: SpecStats | None = None, session: EngineSession | None = None) -> Iterator[StepEvent]:
         self.check_prompt(prompt_ids, config.max_new_tokens)
         stats = stats if stats is not None else SpecStats()
+        session = session or EngineSession(self)
         with self._lock:
             self._active += 1
         try:
-            yield from self._loop(list(prompt_ids), config, cancel, stats)
+            yield from self._loop(list(prompt_ids), config, cancel, stats, session)
         finally:
             with self._lock:
                 self._active -= 1
 
     def _loop(self, ctx: list[int], config: GenerationConfig, cancel: threading.Event | None,
-              stats: SpecStats) -> Iterator[StepEvent]:
-        target = PrefixCache(self.target.model, self.target.device)
-        drafter = self.drafter_factory() if (config.speculate and self.drafter_factory) else None
+              stats: SpecStats, session: EngineSession) -> Iterator[StepEvent]:
+        target = session.target
+        drafter = session.drafter if config.speculate else None
         policy = self.k_policy_factory()
         governor = SpeculationGovernor()
         gen = torch.Generator(device=self.target.device).manual_seed(config.seed)

@@ -68,3 +68,13 @@ class ByteTokenizer:
 
     def vocab_fingerprint(self) -> tuple:
         return ("bytes", self.VOCAB_SIZE)
+
+
+def shared_prefix_ids(tokenizer: Tokenizer, system: str) -> list[int]:
+    """Tokens that every conversation with this system prompt starts with (worth caching once)."""
+    a = tokenizer.chat_ids([{"role": "system", "content": system}, {"role": "user", "content": "a"}])
+    b = tokenizer.chat_ids([{"role": "system", "content": system}, {"role": "user", "content": "zz"}])
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return a[:n]

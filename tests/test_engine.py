@@ -272,3 +272,25 @@ def test_incompatible_tokenizers_are_refused(tiny):
     other = type(draft)(draft.name, draft.model, OtherVocab(), draft.device, draft.dtype)
     with pytest.raises(IncompatibleDraftError, match="different tokenizer"):
         check_pair(target, other)
+
+
+def test_session_reuses_prefix_and_stays_lossless(tiny):
+    from specdec.engine import EngineSession
+    from specdec.tokenizer import shared_prefix_ids
+
+    target, draft = tiny
+    engine = make_engine(target, draft_factory(draft), "3")
+    session = EngineSession(engine)
+    system = shared_prefix_ids(target.tokenizer, "be brief")
+    session.prefill(system)
+    assert session.target.tokens == system
+    history = [{"role": "system", "content": "be brief"}]
+    for text in ["hello", "and again"]:
+        history.append({"role": "user", "content": text})
+        ids = target.tokenizer.chat_ids(history)
+        assert session.target.common_prefix(ids) >= len(system)  # the shared prefix stays cached
+        tokens, _ = collect(engine.stream(ids, GenerationConfig(20), session=session))
+        assert tokens == target_only(target, ids, 20)
+        history.append({"role": "assistant", "content": target.tokenizer.decode(tokens)})
+    session.rollback(len(system))
+    assert session.target.tokens == system and session.drafter.cache.tokens == system
