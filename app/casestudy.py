@@ -74,30 +74,45 @@ def _pick(value, default):
     return default if value is None else value
 
 
+def with_inputs(base: Scenario, *, alpha: float | None = None, k: int | None = None, c: float | None = None,
+                params_b: float | None = None, draft_params_b: float | None = None,
+                bytes_per_param: float | None = None, bandwidth_tbs: float | None = None,
+                tflops: float | None = None, gpus: int | None = None, efficiency: float | None = None,
+                first_chunk_tokens: float | None = None, prompt_tokens: int | None = None,
+                context_tokens: int | None = None, end_of_turn_ms: float | None = None, asr_ms: float | None = None,
+                tts_ms: float | None = None, concurrency: int | None = None) -> Scenario:
+    """`base` with each given input replaced (None keeps it); the CLI and the tab both go through here."""
+    target = replace(base.target, params_b=_pick(params_b, base.target.params_b),
+                     bytes_per_param=_pick(bytes_per_param, base.target.bytes_per_param))
+    draft = replace(base.draft, params_b=_pick(draft_params_b, base.draft.params_b),
+                    bytes_per_param=target.bytes_per_param)
+    hw = replace(base.hw, bandwidth_tbs=_pick(bandwidth_tbs, base.hw.bandwidth_tbs),
+                 tflops=_pick(tflops, base.hw.tflops), n_gpus=_pick(gpus, base.hw.n_gpus),
+                 efficiency=_pick(efficiency, base.hw.efficiency))
+    st = base.stages
+    stages = replace(st, first_chunk_tokens=_pick(first_chunk_tokens, st.first_chunk_tokens),
+                     prompt_tokens=_pick(prompt_tokens, st.prompt_tokens),
+                     end_of_turn_ms=_pick(end_of_turn_ms, st.end_of_turn_ms), asr_ms=_pick(asr_ms, st.asr_ms),
+                     tts_first_chunk_ms=_pick(tts_ms, st.tts_first_chunk_ms))
+    return replace(base, alpha=_pick(alpha, base.alpha), k=_pick(k, base.k), c=_pick(c, base.c), target=target,
+                   draft=draft, hw=hw, stages=stages, context_tokens=_pick(context_tokens, base.context_tokens),
+                   concurrency=_pick(concurrency, base.concurrency))
+
+
 def scenario_from_args(args: argparse.Namespace) -> Scenario:
     """The calibrated story with each given option replacing one input."""
     base = calibrated_scenario()
     k = _pick(args.k, base.k)
-    if args.alpha is not None:
-        alpha = args.alpha
-    elif args.acceptance_rate is not None:
+    alpha = args.alpha
+    if alpha is None and args.acceptance_rate is not None:
         alpha = alpha_from_acceptance_rate(args.acceptance_rate, k)
-    else:
-        alpha = base.alpha
-    target = replace(base.target, params_b=_pick(args.params_b, base.target.params_b),
-                     bytes_per_param=_pick(args.bytes_per_param, base.target.bytes_per_param))
-    draft = replace(base.draft, params_b=_pick(args.draft_params_b, base.draft.params_b),
-                    bytes_per_param=target.bytes_per_param)
-    hw = replace(base.hw, bandwidth_tbs=_pick(args.gpu_bandwidth_tbs, base.hw.bandwidth_tbs),
-                 tflops=_pick(args.gpu_tflops, base.hw.tflops), n_gpus=_pick(args.gpus, base.hw.n_gpus),
-                 efficiency=_pick(args.efficiency, base.hw.efficiency))
-    st = base.stages
-    stages = replace(st, first_chunk_tokens=_pick(args.first_chunk_tokens, st.first_chunk_tokens),
-                     prompt_tokens=_pick(args.prompt_tokens, st.prompt_tokens),
-                     end_of_turn_ms=_pick(args.end_of_turn_ms, st.end_of_turn_ms),
-                     asr_ms=_pick(args.asr_ms, st.asr_ms), tts_first_chunk_ms=_pick(args.tts_ms, st.tts_first_chunk_ms))
-    return replace(base, alpha=alpha, k=k, c=args.c, target=target, draft=draft, hw=hw, stages=stages,
-                   context_tokens=_pick(args.context_tokens, base.context_tokens), concurrency=args.concurrency)
+    return with_inputs(
+        base, alpha=alpha, k=k, c=args.c, params_b=args.params_b, draft_params_b=args.draft_params_b,
+        bytes_per_param=args.bytes_per_param, bandwidth_tbs=args.gpu_bandwidth_tbs, tflops=args.gpu_tflops,
+        gpus=args.gpus, efficiency=args.efficiency, first_chunk_tokens=args.first_chunk_tokens,
+        prompt_tokens=args.prompt_tokens, context_tokens=args.context_tokens, end_of_turn_ms=args.end_of_turn_ms,
+        asr_ms=args.asr_ms, tts_ms=args.tts_ms, concurrency=args.concurrency,
+    )
 
 
 def check_scenario(s: Scenario) -> str | None:
@@ -281,11 +296,9 @@ def main(args: argparse.Namespace) -> int:
 def tab_outputs(alpha: float, k: int, c: float, params_b: float, bandwidth_tbs: float, gpus: int,
                 first_chunk_tokens: float, concurrency: int) -> tuple[str, Figure]:
     """What the Case study tab shows for one position of its sliders."""
-    base = calibrated_scenario()
-    s = replace(base, alpha=float(alpha), k=int(k), c=float(c), concurrency=int(concurrency),
-                target=replace(base.target, params_b=float(params_b)),
-                hw=replace(base.hw, bandwidth_tbs=float(bandwidth_tbs), n_gpus=int(gpus)),
-                stages=replace(base.stages, first_chunk_tokens=float(first_chunk_tokens)))
+    s = with_inputs(calibrated_scenario(), alpha=float(alpha), k=int(k), c=float(c), params_b=float(params_b),
+                    bandwidth_tbs=float(bandwidth_tbs), gpus=int(gpus), first_chunk_tokens=float(first_chunk_tokens),
+                    concurrency=int(concurrency))
     problem = check_scenario(s)
     if problem:
         return f"**{problem}**", Figure()

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from specdec.engine import GenerationConfig, SpeculativeEngine
+from specdec.engine import EngineSession, GenerationConfig, SpeculativeEngine
 from specdec.metrics import SpecStats
 from specdec.sampling import SamplingParams
 from specdec.tokenizer import Tokenizer
@@ -74,14 +74,15 @@ class IncrementalDecoder:
 class EngineLLM:
     """The in-process speculative engine as the LLM stage."""
 
-    def __init__(self, engine: SpeculativeEngine, max_new_tokens: int = 96,
-                 sampling: SamplingParams | None = None, seed: int = 0) -> None:
+    def __init__(self, engine: SpeculativeEngine, max_new_tokens: int = 96, sampling: SamplingParams | None = None,
+                 seed: int = 0, session: EngineSession | None = None) -> None:
         self.name = "engine"
         self.engine = engine
         self.tokenizer = engine.target.tokenizer
         self.max_new_tokens = max_new_tokens
         self.sampling = sampling or SamplingParams()
         self.seed = seed
+        self.session = session  # KV caches kept between this conversation's turns
 
     def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
         return self.tokenizer.chat_ids(messages)
@@ -91,7 +92,7 @@ class EngineLLM:
         config = GenerationConfig(self.max_new_tokens, self.sampling, self.seed, speculate=speculation)
         decoder = IncrementalDecoder(self.tokenizer)
         eos = self.tokenizer.eos_token_ids
-        for ev in self.engine.stream(self.prompt_ids(messages), config, cancel, stats.spec):
+        for ev in self.engine.stream(self.prompt_ids(messages), config, cancel, stats.spec, self.session):
             now = time.perf_counter()
             if ev.note:
                 stats.notes.append(ev.note)

@@ -34,16 +34,17 @@ class PrefixCache:
     def extend(self, tokens: list[int], n_logits: int = 1) -> torch.Tensor:
         """Make the cache hold `tokens`; return logits (n, V) for the last n = min(n_logits, fed) positions.
 
-        At least one token is always fed, so the last row predicts the token after `tokens`.
+        At least n_logits tokens are fed (re-feeding cached ones if needed), so row i always lines up with
+        position len(tokens) - n + i, even when `tokens` is entirely cached already.
         """
         from transformers import DynamicCache
 
-        keep = min(self.common_prefix(tokens), len(tokens) - 1)
+        keep = max(0, min(self.common_prefix(tokens), len(tokens) - n_logits))
         if self.kv is None:
             self.kv = DynamicCache()
         self.rollback(keep)
         new = tokens[keep:]
         ids = torch.tensor([new], device=self.device)
-        out = self.model(input_ids=ids, cache=self.kv, use_cache=True, logits_to_keep=min(n_logits, len(new)))
+        out = self.model(input_ids=ids, cache=self.kv, use_cache=True, logits_to_keep=n_logits)
         self.tokens = list(tokens)
         return out.logits[0]

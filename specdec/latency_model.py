@@ -217,8 +217,9 @@ def recommended_k(concurrency: int, alpha: float, c: float | None = None, *, sce
 
     Idle, the target is memory-bound and verification is nearly free, so deeper drafts pay; under load
     the B·(K+1)-token verify turns compute-bound and every rejected draft costs real FLOPs.
+    Hardware and models come from `scenario`, by default the calibrated reference story.
     """
-    s = replace(scenario or Scenario(alpha), alpha=alpha, c=c, concurrency=concurrency)
+    s = replace(scenario or calibrated_scenario(), alpha=alpha, c=c, concurrency=concurrency)
     best_k, best = 0, 0.0
     for k in range(1, k_max + 1):
         gain = evaluate(replace(s, k=k)).speedup
@@ -354,13 +355,14 @@ def explain_story(story: Story = STORY) -> StoryExplanation:
     s = calibrated_scenario(story)
     ev = evaluate(s)
     as_alpha = evaluate(replace(s, alpha=story.acceptance))
-    corner_evals = [(c, evaluate(calibrated_scenario(c))) for c in _corners(story)]
+    # Each corner of the rounding box, calibrated once and read both ways.
+    corners = [(c, calibrated_scenario(c)) for c in _corners(story)]
+    corner_evals = [(c, evaluate(cs)) for c, cs in corners]
     tps_band = _band([e.speculative_tokens_per_s for _, e in corner_evals])
     ttfa_band = _band([_decode_only_ttfa(c, e) for c, e in corner_evals])
+    alpha_band = _band([evaluate(replace(cs, alpha=c.acceptance)).speculative_tokens_per_s for c, cs in corners])
     story_speedup = story.speculative_tokens_per_s / story.baseline_tokens_per_s
     tol = story.tokens_per_s_rounding
-    alpha_band = _band([evaluate(replace(calibrated_scenario(c), alpha=c.acceptance)).speculative_tokens_per_s
-                        for c, _ in corner_evals])
     rate_ok = tps_band[0] - tol <= story.speculative_tokens_per_s <= tps_band[1] + tol
     alpha_ok = alpha_band[0] - tol <= story.speculative_tokens_per_s <= alpha_band[1] + tol
     c_req = solve_draft_cost_ratio(story_speedup, s.alpha, story.k, ev.v)

