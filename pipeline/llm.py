@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from specdec.build import k_policy_factory
 from specdec.engine import EngineSession, GenerationConfig, SpeculativeEngine
 from specdec.metrics import SpecStats
 from specdec.sampling import SamplingParams
@@ -83,13 +84,27 @@ class EngineLLM:
         self.sampling = sampling or SamplingParams()
         self.seed = seed
         self.session = session  # KV caches kept between this conversation's turns
+        self.k: str | None = None  # None: the engine's default K policy
+
+    def configure(self, drafter: str | None = None, k: str | None = None, temperature: float | None = None) -> None:
+        """Per-conversation controls: drafter ("draft-model" / "ngram"), K ("4" / "adaptive"), temperature."""
+        if drafter is not None:
+            if self.session is None:
+                raise ValueError("switching drafters needs a conversation session")
+            self.session.use_drafter(drafter)
+        if k is not None:
+            k_policy_factory(k)  # validates
+            self.k = k
+        if temperature is not None:
+            self.sampling = SamplingParams(temperature, self.sampling.top_p)
 
     def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
         return self.tokenizer.chat_ids(messages)
 
     def stream_reply(self, messages: list[dict[str, str]], speculation: bool, stats: ReplyStats,
                      cancel: threading.Event | None = None) -> Iterator[LLMDelta]:
-        config = GenerationConfig(self.max_new_tokens, self.sampling, self.seed, speculate=speculation)
+        policy = k_policy_factory(self.k) if self.k else None
+        config = GenerationConfig(self.max_new_tokens, self.sampling, self.seed, speculation, policy)
         decoder = IncrementalDecoder(self.tokenizer)
         eos = self.tokenizer.eos_token_ids
         for ev in self.engine.stream(self.prompt_ids(messages), config, cancel, stats.spec, self.session):

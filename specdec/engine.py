@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .drafters import Drafter, Proposal
+from .drafters import Drafter, NGramDrafter, Proposal
 from .kpolicy import KPolicy, SpeculationGovernor
 from .kv import PrefixCache
 from .metrics import SpecStats
@@ -27,6 +27,7 @@ class GenerationConfig:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     seed: int = 0
     speculate: bool = True
+    k_policy: Callable[[], KPolicy] | None = None  # overrides the engine's default K policy for this answer
 
 
 @dataclass
@@ -50,8 +51,20 @@ class EngineSession:
     (the caches crop themselves to the common prefix). Not for concurrent use."""
 
     def __init__(self, engine: SpeculativeEngine) -> None:
+        self.engine = engine
         self.target = PrefixCache(engine.target.model, engine.target.device)
         self.drafter = engine.drafter_factory() if engine.drafter_factory else None
+
+    def use_drafter(self, kind: str) -> None:
+        """Switch this conversation's drafter: "draft-model" (the engine's) or "ngram"."""
+        if kind == "ngram":
+            self.drafter = NGramDrafter()
+        elif kind == "draft-model":
+            if self.engine.drafter_factory is None or self.engine.drafter_factory is NGramDrafter:
+                raise ValueError("no draft model loaded: start with --draft MODEL to use it")
+            self.drafter = self.engine.drafter_factory()
+        else:
+            raise ValueError(f"drafter must be 'draft-model' or 'ngram', got {kind!r}")
 
     def prefill(self, ids: list[int]) -> None:
         """Warm both caches on a prefix that every answer shares (the system prompt)."""
@@ -108,7 +121,7 @@ class SpeculativeEngine:
               stats: SpecStats, session: EngineSession) -> Iterator[StepEvent]:
         target = session.target
         drafter = session.drafter if config.speculate else None
-        policy = self.k_policy_factory()
+        policy = (config.k_policy or self.k_policy_factory)()
         governor = SpeculationGovernor()
         gen = torch.Generator(device=self.target.device).manual_seed(config.seed)
         params = config.sampling
