@@ -39,6 +39,7 @@ class AgentConfig:
     temperature: float = 0.0
     seed: int = 0
     llm_url: str | None = None  # an OpenAI-compatible server (e.g. vLLM) instead of the in-process engine
+    llm_url_no_spec: str | None = None  # optional target-only server, for speculation-off turns
 
 
 @dataclass
@@ -116,7 +117,8 @@ class VoiceAgent:
         if llm is None and config.llm_url:
             from .remote_llm import OpenAICompatibleLLM
 
-            llm = OpenAICompatibleLLM(config.llm_url)
+            llm = OpenAICompatibleLLM(config.llm_url, base_url_no_spec=config.llm_url_no_spec,
+                                      max_tokens=config.max_new_tokens, temperature=config.temperature)
         if llm is None:
             self.engine, _ = build_engine(config.engine)
         self._shared_llm = llm

@@ -23,9 +23,10 @@ def add_agent_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--llm-url", default=None,
                         help="use an OpenAI-compatible server (e.g. vLLM) as the LLM stage instead of the engine")
+    parser.add_argument("--llm-url-no-spec", default=None, help="a target-only server for speculation-off turns")
 
 
 def agent_config_from_args(args: argparse.Namespace) -> AgentConfig:
     return AgentConfig(spec_from_args(args), args.asr, args.tts, args.hangover_ms, args.first_chunk_words,
                        args.max_new_tokens, args.history_turns, temperature=args.temperature, seed=args.seed,
-                       llm_url=args.llm_url)
+                       llm_url=args.llm_url, llm_url_no_spec=args.llm_url_no_spec)

@@ -31,7 +31,7 @@ class EngineSpec:
     device: str = "cpu"
     # Cheaper draft forwards (lossless: the target verifies every token).
     draft_quant: str = "int8"  # "int8" (dynamic quantization of Linear layers, CPU) or "none"
-    draft_vocab: int = 32768  # draft LM head over the first N token ids; 0 keeps the whole vocabulary
+    draft_vocab: int = 0  # draft LM head over the first N token ids; 0 keeps the whole vocabulary
     max_speculative_sequences: int = 4
 
 
@@ -69,11 +69,11 @@ def prepare_draft_model(draft: LoadedModel, spec: EngineSpec, target: LoadedMode
             raise ValueError("--draft-quant int8 is a CPU lever; use --draft-quant none on CUDA")
         import warnings
 
-        from torch.ao.quantization import quantize_dynamic
+        from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
 
         with warnings.catch_warnings():  # deprecated in favour of torchao, still the fastest CPU path in 2.13
             warnings.simplefilter("ignore")
-            model = quantize_dynamic(model.float(), {torch.nn.Linear}, dtype=torch.qint8)
+            model = quantize_dynamic(model.float(), {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8)
     elif spec.draft_quant != "none":
         raise ValueError(f"--draft-quant must be int8 or none, got {spec.draft_quant!r}")
     return lambda: DraftModelDrafter(model, draft.device, keep_ids, full_vocab)

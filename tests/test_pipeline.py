@@ -180,3 +180,14 @@ def test_say_on_the_real_default_models(real_models, tmp_path):
     assert on["draft_acceptance_rate"] is not None and off["draft_acceptance_rate"] is None
     assert data["summary"]["ttfa_ratio_on_off"] == on["ttfa_ms"] / off["ttfa_ms"]
     assert (tmp_path / "answer-on.wav").stat().st_size > 10000
+
+
+def test_remote_openai_compatible_server_as_llm_stage(transcriber):
+    """--llm-url: the same turn through a server speaking vLLM's wire format and Prometheus counters."""
+    from fake_vllm import FakeVLLM
+
+    with FakeVLLM(reply="Paris is the capital of France. It sits on the Seine.") as fake:
+        agent = VoiceAgent(AgentConfig(llm_url=fake.url), transcriber=transcriber, tts=FakeTTS())
+        d = agent.respond(agent.new_conversation(), "capital of France?", Timeline(), True).to_dict()
+    assert d["answer"].startswith("Paris is the capital")
+    assert 0 < d["draft_acceptance_rate"] <= 1 and d["ttfa_ms"] > 0

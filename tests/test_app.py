@@ -1,0 +1,270 @@
+"""The app's server pieces without a browser: wire formats, clock sync, origin check, limits, reports, and one
+tiny-engine answer over a real WebSocket."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import threading
+import time
+
+import numpy as np
+import pytest
+from browser_util import recv_until, running_app, wait_ready
+from speech import needs_espeak, speak
+from websockets.exceptions import InvalidStatus
+from websockets.sync.client import connect
+
+from app import report
+from app.server import (
+    AUDIO_HEADER,
+    FLAG_REPLAY,
+    AnswerSlots,
+    ClockSync,
+    decode_mic_frame,
+    origin_allowed,
+    pack_audio,
+    unpack_audio,
+)
+from pipeline.timeline import STAGES
+
+# ---------------------------------------------------------------------------------------------- pure pieces
+
+
+def test_audio_packet_round_trip():
+    samples = np.sin(np.linspace(0, 20, 4800)).astype(np.float32) * 0.5
+    data = pack_audio(samples, turn=7, seq=2, rate=48000, server_ms=1234.5, flags=FLAG_REPLAY)
+    assert AUDIO_HEADER.size == 28 and len(data) == 28 + 2 * len(samples)  # Int16 right after a 2-aligned header
+    header, pcm = unpack_audio(data)
+    assert header == {"turn": 7, "seq": 2, "rate": 48000, "flags": FLAG_REPLAY, "server_ms": 1234.5}
+    assert np.max(np.abs(pcm - samples)) < 1e-4
+    clipped = unpack_audio(pack_audio(np.array([2.0, -2.0], np.float32), 1, 0, 16000, 0.0))[1]
+    assert np.allclose(clipped, [1.0, -1.0], atol=1e-4)
+    with pytest.raises(ValueError):
+        unpack_audio(b"XXXX" + data[4:])
+
+
+def test_mic_frames_are_int16_and_capped():
+    frame = (np.arange(512) - 256).astype("<i2").tobytes()
+    out = decode_mic_frame(frame)
+    assert out.dtype == np.float32 and len(out) == 512 and out[0] == -256 / 32768
+    for bad in (b"", b"\x00\x01\x02", b"\x00" * (2 * 16000 + 2)):
+        with pytest.raises(ValueError):
+            decode_mic_frame(bad)
+
+
+def test_clock_offset_uses_the_fastest_round_trip():
+    clock = ClockSync()
+    assert clock.to_server_ms(100.0) is None
+    true_offset = 5000.0  # client clock = server clock + 5000 ms
+    # (send, one-way up, one-way down): a slow trip with asymmetric delays, then a fast symmetric one.
+    for sent, up, down in ((100.0, 40.0, 2.0), (300.0, 1.0, 1.0), (500.0, 15.0, 30.0)):
+        client = sent + up + true_offset
+        clock.add(sent, client, sent + up + down)
+    assert clock.rtt_ms == 2.0
+    assert clock.offset_ms == pytest.approx(true_offset)
+    assert clock.to_server_ms(9000.0) == pytest.approx(4000.0)
+    clock.add(1000.0, 0.0, 990.0)  # a negative round trip is a bogus sample: ignored
+    assert clock.rtt_ms == 2.0
+
+
+@pytest.mark.parametrize("origin, host, bind, ok", [
+    ("http://127.0.0.1:7860", "127.0.0.1:7860", "127.0.0.1", True),
+    ("http://localhost:7860", "localhost:7860", "127.0.0.1", True),
+    ("http://evil.example:7860", "127.0.0.1:7860", "127.0.0.1", False),  # another site's page
+    ("http://127.0.0.1:8000", "127.0.0.1:7860", "127.0.0.1", False),  # another local app's page
+    ("http://evil.example:7860", "evil.example:7860", "127.0.0.1", False),  # DNS rebinding to loopback
+    (None, "127.0.0.1:7860", "127.0.0.1", False),
+    ("null", "127.0.0.1:7860", "127.0.0.1", False),
+    ("http://127.0.0.1:7860", "127.0.0.1:9999", "127.0.0.1", False),
+    ("http://10.0.0.5:7860", "10.0.0.5:7860", "0.0.0.0", True),
+    ("http://evil.example:7860", "10.0.0.5:7860", "0.0.0.0", False),
+])
+def test_origin_check(origin, host, bind, ok):
+    assert origin_allowed(origin, host, bind, 7860) is ok
+
+
+def test_answer_slots_refuse_rather_than_queue():
+    slots = AnswerSlots(1)
+    assert slots.try_acquire() and not slots.try_acquire()
+    assert "busy" in slots.busy_message().lower() and "--max-concurrent-answers 1" in slots.busy_message()
+    slots.release()
+    assert slots.try_acquire()
+    with pytest.raises(ValueError):
+        AnswerSlots(0)
+
+
+def fake_turn(turn: int, speculation: bool, ttfa: float, **extra) -> dict:
+    stages = dict.fromkeys(STAGES, ttfa / len(STAGES))
+    return {"turn": turn, "kind": "typed", "speculation": speculation, "ttfa_ms": ttfa, "stages": stages,
+            "timeline": {"ttfa_ms": ttfa}, "tokens": 20, "tokens_per_s": 8.0 + speculation,
+            "draft_acceptance_rate": 0.7 if speculation else None,
+            "mean_accepted_per_step": 2.1 if speculation else None,
+            "transcript": "what <b>is</b> this", "answer": "an answer, with a comma", "ttfa_heard_ms": ttfa + 80,
+            "heard_delay_ms": 80.0 + turn, "settings": {"drafter": "ngram", "k": "3", "temperature": 0.0}, **extra}
+
+
+def test_report_from_turn_dicts():
+    turns = [fake_turn(1, False, 700), fake_turn(2, True, 400)]
+    turns += [fake_turn(3 + i, spec, 600 - 200 * spec + 10 * i, kind="ab", ab=1, ab_repeat=i // 2)
+              for i, spec in enumerate((False, True, True, False))]
+    rows = list(csv.DictReader(io.StringIO(report.turns_csv(turns))))
+    assert len(rows) == 6 and rows[0]["ttfa_ms"] == "700" and rows[0]["end_of_turn_wait"] == str(700 / len(STAGES))
+    assert rows[1]["drafter"] == "ngram" and rows[0]["draft_acceptance_rate"] == ""
+    data = json.loads(report.turns_json(turns, {"llm": "tiny"}))
+    assert data["definitions"]["draft_acceptance_rate"].startswith("accepted draft tokens")
+    assert data["summary"]["off"]["ttfa_ms_median"] == 630 and data["summary"]["heard_delay_ms_median"] == 83.5
+    ab = data["summary"]["ab"]["1"]
+    assert ab["n"] == 2 and ab["mean_diff_ms"] == pytest.approx(-200) and ab["ci95_ms"][0] <= -200 <= ab["ci95_ms"][1]
+    page = report.render_html(turns, {"llm": "tiny"})
+    assert page.count('src="data:image/png;base64,') == 4  # A/B, TTFA per turn, stages, heard delay
+    assert "what &lt;b&gt;is&lt;/b&gt; this" in page and "<b>is</b>" not in page  # user text is escaped
+    assert "turns.csv" in page and "A/B run 1" in page
+    assert report.render_html([]).startswith("<!doctype html>")  # an empty session still exports
+
+
+def test_paired_difference_interval():
+    pairs = [(700.0 + i, 500.0 + 3 * i) for i in range(8)]
+    s = report.paired_difference(pairs)
+    assert s["n"] == 8 and s["mean_diff_ms"] == pytest.approx(np.mean([on - off for off, on in pairs]))
+    assert s["ci95_ms"][0] <= s["mean_diff_ms"] <= s["ci95_ms"][1]
+    assert report.paired_difference([])["mean_diff_ms"] is None
+
+
+# ---------------------------------------------------------------------------------------------- over a socket
+
+
+@pytest.fixture(scope="module")
+def app():
+    with running_app(max_concurrent_answers=1) as running:
+        wait_ready(running)
+        yield running
+
+
+def test_foreign_origin_is_refused(app):
+    with pytest.raises(InvalidStatus) as err, connect(app.ws_url, origin="http://evil.example:8080"):
+        pass
+    assert err.value.response.status_code == 403
+
+
+def test_tiny_engine_answer_over_the_socket(app):
+    with connect(app.ws_url, origin=app.url, max_size=None) as ws:
+        hello, _ = recv_until(ws, lambda m: m["type"] == "hello")
+        recv_until(ws, lambda m: m["type"] == "status" and m["ready"])
+        ws.send(json.dumps({"type": "hello", "sample_rate": 48000}))
+        ws.send(json.dumps({"type": "settings", "speculation": True, "k": "2"}))
+        ws.send(json.dumps({"type": "text", "text": "Tell me about the weather."}))
+        done, seen = recv_until(ws, lambda m: m["type"] == "done")
+        turn = done["turn"]
+        tokens = [m for m in seen if isinstance(m, dict) and m["type"] == "token"]
+        packets = [unpack_audio(m) for m in seen if isinstance(m, bytes)]
+        assert tokens and packets, "the answer produced no tokens or no audio"
+        assert all(h["rate"] == 48000 and h["turn"] == turn for h, _ in packets)
+        assert [h["seq"] for h, _ in packets] == list(range(len(packets)))
+        assert sum(len(p) for _, p in packets) > 0.2 * 48000
+        pieces = [p for m in tokens for p in m["pieces"]]
+        assert {d for _, d in pieces} <= {True, False} and any(d for _, d in pieces)  # per-token, some drafted
+        data = done["data"]
+        assert data["speculation"] and data["ttfa_ms"] > 0 and data["audio_seconds"] > 0
+        assert set(data["stages"]) == set(STAGES) and data["settings"]["k"] == "2"
+        assert "".join(t for t, _ in pieces).strip() == data["answer"]
+        # The page reports when it heard the first sample; the server turns that into heard delay and TTFA.
+        first = packets[0][0]["server_ms"]
+        offset = app.server.sessions[hello["token"]].clock.offset_ms
+        heard_client = first + 60.0 + offset
+        ws.send(json.dumps({"type": "heard", "turn": turn, "t": heard_client, "method": "test"}))
+        heard, _ = recv_until(ws, lambda m: m["type"] == "heard")
+        assert heard["heard_delay_ms"] == pytest.approx(60.0, abs=1e-6)
+        assert heard["ttfa_heard_ms"] > data["ttfa_ms"]
+        session = app.server.sessions[hello["token"]]
+        assert session.turns[-1]["heard_delay_ms"] == pytest.approx(60.0)
+        media, html_report = session.export("report.html")
+        assert media.startswith("text/html") and "data:image/png;base64," in html_report
+
+
+def test_busy_and_typed_turn_limits(app):
+    with connect(app.ws_url, origin=app.url) as ws:
+        recv_until(ws, lambda m: m["type"] == "status")
+        assert app.server.slots.try_acquire()  # someone else is being answered
+        try:
+            ws.send(json.dumps({"type": "text", "text": "Hello?"}))
+            busy, _ = recv_until(ws, lambda m: m["type"] in ("busy", "turn"))
+            assert busy["type"] == "busy" and "max-concurrent-answers" in busy["message"]
+        finally:
+            app.server.slots.release()
+        ws.send("{not json")
+        err, _ = recv_until(ws, lambda m: m["type"] == "error")
+        assert "bad message" in err["message"]
+
+
+def test_disconnect_mid_answer_frees_the_slot(app):
+    with connect(app.ws_url, origin=app.url) as ws:
+        recv_until(ws, lambda m: m["type"] == "status")
+        ws.send(json.dumps({"type": "text", "text": "Talk for a long time please."}))
+        recv_until(ws, lambda m: m["type"] == "token")
+    deadline = time.monotonic() + 10
+    while not app.server.slots.try_acquire():  # the cancelled answer gives its slot back
+        assert time.monotonic() < deadline, "the slot was not released after the tab closed"
+        time.sleep(0.05)
+    app.server.slots.release()
+    assert not app.server.sessions
+
+
+def test_turns_are_refused_until_models_load():
+    loaded = threading.Event()
+
+    def slow_build(progress):
+        progress(0)
+        loaded.wait(30)
+        raise RuntimeError("test loader stops here")
+
+    with running_app(build=slow_build) as app, connect(app.ws_url, origin=app.url) as ws:
+        status, _ = recv_until(ws, lambda m: m["type"] == "status")
+        assert not status["ready"] and "step 1/4" in status["stage"]
+        ws.send(json.dumps({"type": "text", "text": "Are you there?"}))
+        err, _ = recv_until(ws, lambda m: m["type"] == "error")
+        assert "still loading" in err["message"]
+        loaded.set()
+        failed, _ = recv_until(ws, lambda m: m["type"] == "status" and m["error"])
+        assert "test loader stops here" in failed["error"]
+
+
+def send_speech(ws, audio16k, realtime: bool = True) -> None:
+    """Stream audio as the page does: Int16 frames of 512 samples, in real time."""
+    t0 = time.perf_counter()
+    for i in range(0, len(audio16k), 512):
+        if realtime:
+            time.sleep(max(0.0, t0 + (i + 512) / 16000 - time.perf_counter()))
+        ws.send((np.clip(audio16k[i:i + 512], -1, 1) * 32767).astype("<i2").tobytes())
+
+
+@needs_espeak
+def test_voice_turns_barge_in_and_push_to_talk(app):
+    speech = speak("What is the capital of France?")
+    silence = np.zeros(16000, np.float32)
+    with connect(app.ws_url, origin=app.url, max_size=None) as ws, \
+            connect(app.ws_url, origin=app.url, max_size=None) as other:
+        recv_until(ws, lambda m: m["type"] == "status")
+        other_hello, _ = recv_until(other, lambda m: m["type"] == "hello")
+        assert len(app.server.sessions) == 2  # one conversation per tab
+        ws.send(json.dumps({"type": "text", "text": "Say something long."}))
+        recv_until(ws, lambda m: m["type"] == "done")  # generated; its audio is still "playing" in the page
+        ws.send(json.dumps({"type": "mic", "active": True, "mode": "handsfree"}))
+        feeder = threading.Thread(target=send_speech, args=(ws, np.concatenate([silence, speech, silence])))
+        feeder.start()
+        flush, _ = recv_until(ws, lambda m: m["type"] == "flush")
+        assert flush["reason"] == "barge-in"
+        voice, _ = recv_until(ws, lambda m: m["type"] == "done")
+        feeder.join()
+        assert voice["data"]["kind"] == "voice" and "capital" in voice["data"]["transcript"].lower()
+        assert voice["data"]["stages"]["end_of_turn_wait"] >= 250  # the 300 ms hang-over, on frame boundaries
+        # Push-to-talk: releasing ends the turn, whatever the VAD thinks.
+        ws.send(json.dumps({"type": "mic", "active": False, "mode": "handsfree"}))
+        ws.send(json.dumps({"type": "mic", "active": True, "mode": "ptt"}))
+        send_speech(ws, np.concatenate([silence[:4000], speech]), realtime=False)
+        ws.send(json.dumps({"type": "mic", "active": False, "mode": "ptt"}))
+        ptt, _ = recv_until(ws, lambda m: m["type"] == "done")
+        assert ptt["data"]["kind"] == "voice" and "france" in ptt["data"]["transcript"].lower()
+        assert app.server.sessions[other_hello["token"]].turns == []
+

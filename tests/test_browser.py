@@ -1,0 +1,165 @@
+"""The app in real headless Chromium: speech from a fake microphone in, answer audio out through the worklet,
+live panels, the speculation switch, typed turns, A/B runs, the export, and the heard delay.
+
+Chromium's fake capture device loops an espeak-ng recording, padded with silence; the server runs in-process with
+the tiny random engine (gibberish answers, real ASR and TTS).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+
+import pytest
+from browser_util import CHROMIUM, CHROMIUM_ARGS, running_app, utterance_wav, wait_ready
+from speech import needs_espeak
+
+pytestmark = [
+    pytest.mark.browser,
+    needs_espeak,
+    pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="Debian chromium is not installed"),
+]
+playwright = pytest.importorskip("playwright.sync_api")
+
+QUESTION = "What is the capital of France?"
+SCREENSHOT = "/tmp/specvoice_app.png"
+HEARD_LOG = "/tmp/specvoice_heard_delay.json"
+
+
+@pytest.fixture(scope="module")
+def app():
+    with running_app() as running:
+        wait_ready(running)
+        yield running
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    wav = tmp_path_factory.mktemp("audio") / "question.wav"
+    utterance_wav(wav, QUESTION)
+    with playwright.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM,
+                              args=[*CHROMIUM_ARGS, f"--use-file-for-fake-audio-capture={wav}"])
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def page(browser, app):
+    context = browser.new_context(viewport={"width": 1400, "height": 1000}, accept_downloads=True)
+    page = context.new_page()
+    errors: list = []
+    page.on("pageerror", lambda e: errors.append(e))
+    page.goto(app.url)
+    page.wait_for_function("window.specvoice && specvoice.status && specvoice.status.ready", timeout=30_000)
+    yield page
+    context.close()
+    assert not errors, f"page errors: {errors}"
+
+
+def last_turn(page) -> dict:
+    return page.evaluate("(() => { const t = specvoice.turns[specvoice.current]; "
+                         "return {...t, pieces: t.pieces.length, steps: t.steps.length}; })()")
+
+
+def typed_turn(page, text: str, heard: bool = True) -> dict:
+    before = page.evaluate("specvoice.order.length")
+    page.fill("#text-input", text)
+    page.press("#text-input", "Enter")
+    cond = "t.data" + (" && t.heard" if heard else "")
+    page.wait_for_function(f"specvoice.order.length > {before} && (t => {cond})(specvoice.turns[specvoice.current])",
+                           timeout=30_000)
+    return last_turn(page)
+
+
+def number(page, selector: str) -> float:
+    return float(page.inner_text(selector).replace("%", ""))
+
+
+def test_spoken_turn_is_answered_heard_and_measured(page):
+    page.click("#handsfree")
+    page.wait_for_function("Object.values(specvoice.turns).some(t => t.kind === 'voice' && t.data && t.heard)",
+                           timeout=45_000)
+    page.click("#handsfree")  # the fake microphone loops: stop before it asks again
+    turn = page.evaluate("Object.values(specvoice.turns).find(t => t.kind === 'voice')")
+    words = turn["transcript"].lower()
+    assert "capital" in words and "france" in words, turn["transcript"]
+    page.wait_for_function("specvoice.framesPlayed > 0", timeout=10_000)  # the worklet played answer audio
+    page.wait_for_timeout(300)  # one render tick
+    data = turn["data"]
+    assert data["ttfa_ms"] > 0 and data["stages"]["asr"] >= 0 and data["audio_seconds"] > 0
+    assert number(page, "#ttfa-ms") > 0 and number(page, "#tokens-per-s") > 0
+    assert number(page, "#ttfa-heard-ms") >= number(page, "#ttfa-ms")
+    assert 0 <= number(page, "#acceptance-rate") <= 100
+    assert "capital" in page.inner_text("#transcript").lower()
+    assert page.locator("#transcript .tok-draft").count() > 0 and page.locator("#transcript .tok-target").count() > 0
+    assert page.locator("#waterfall .sv-wf-row").count() >= 6  # five stages, TTFA (and heard)
+    assert "accepted draft tokens" in page.inner_text("#sv-panels")  # the definition from specdec.metrics
+    page.screenshot(path=SCREENSHOT, full_page=True)
+
+
+def test_speculation_switch_and_typed_input(page):
+    page.uncheck("#speculation")
+    off = typed_turn(page, "Tell me a short story.", heard=False)
+    assert off["kind"] == "typed" and off["speculation"] is False
+    assert off["data"]["draft_acceptance_rate"] is None
+    page.wait_for_timeout(200)
+    assert page.inner_text("#acceptance-rate") == "off"
+    assert "Tell me a short story." in page.inner_text("#transcript")
+    page.check("#speculation")
+    on = typed_turn(page, "And another one.", heard=False)
+    assert on["speculation"] is True and on["data"]["draft_acceptance_rate"] is not None
+    page.wait_for_timeout(200)
+    assert page.inner_text("#acceptance-rate").endswith("%")
+
+
+def test_ab_run_gives_paired_results(page):
+    page.fill("#ab-text", "Name a colour.")
+    page.fill("#ab-repeats", "2")
+    page.click("#ab-run")
+    page.wait_for_selector("#ab-results .sv-ab-diff", timeout=60_000)
+    result = page.evaluate("Object.values(specvoice.ab)[0]")
+    assert len(result["pairs"]) == 2 and result["summary"]["n"] == 2
+    for pair in result["pairs"]:
+        assert pair["off"]["ttfa_ms"] > 0 and pair["on"]["ttfa_ms"] > 0
+        assert pair["on"]["draft_acceptance_rate"] is not None
+    assert "95% CI" in page.inner_text("#ab-results")
+    assert page.locator("#ab-results button.sv-play").count() == 4
+    played = page.evaluate("specvoice.framesPlayed")
+    page.locator("#ab-results button.sv-play").first.click()  # both answers stay playable
+    page.wait_for_function(f"specvoice.framesPlayed > {played}", timeout=10_000)
+
+
+def test_export_downloads_a_report(page, tmp_path):
+    typed_turn(page, "Hello there.", heard=False)
+    with page.expect_download() as download:
+        page.click("#export-report")
+    path = tmp_path / "report.html"
+    download.value.save_as(path)
+    text = path.read_text()
+    assert "specvoice session report" in text and "data:image/png;base64," in text and "Hello there." in text
+    with page.expect_download() as download:
+        page.click("#export-csv")
+    assert "ttfa_ms" in download.value.path().read_text().splitlines()[0]
+
+
+def test_heard_delay_over_five_turns(page, app):
+    delays, methods, details = [], set(), []
+    for i in range(5):
+        turn = typed_turn(page, f"Question number {i + 1}, please answer.")
+        delays.append(turn["heard"]["heard_delay_ms"])
+        report = page.evaluate(f"specvoice.heardReports.find(r => r.turn === {turn['turn']})")
+        methods.add(report["method"])
+        details.append(report)
+    median = statistics.median(delays)
+    session = app.server.sessions[page.evaluate("specvoice.token")]
+    server_side = [{k: t.get(k) for k in ("turn", "ttfa_ms", "ttfa_heard_ms", "heard_delay_ms", "heard_detail",
+                                          "clock_rtt_ms")} for t in session.turns]
+    with open(HEARD_LOG, "w") as f:
+        json.dump({"heard_delay_ms": delays, "median": median, "page_reports": details, "server": server_side}, f,
+                  indent=2)
+    print(f"heard_delay_ms over {len(delays)} turns: {[round(d) for d in delays]}, median {median:.0f} ms, "
+          f"via {sorted(methods)}")
+    assert all(0 < d < 2000 for d in delays), delays
+    assert median < 500, f"heard delay median {median:.0f} ms (goal ≤ 150 ms)"
