@@ -15,7 +15,7 @@ import torch
 
 from .build import add_engine_arguments, build_engine, spec_from_args
 from .engine import GenerationConfig, SpeculativeEngine, collect
-from .metrics import DEFINITIONS, SpecStats, expected_speedup
+from .metrics import DEFINITIONS, LOW_ACCEPTANCE_WARNING, SpecStats, expected_speedup
 from .models import load_model
 
 
@@ -168,7 +168,16 @@ def summarize(results: list[dict], total: SpecStats) -> dict:
     by_cat: dict[str, list[dict]] = defaultdict(list)
     for r in results:
         by_cat[r["category"]].append(r)
+    warnings = []
+    if total.draft_acceptance_rate < LOW_ACCEPTANCE_WARNING:
+        warnings.append(f"draft acceptance {total.draft_acceptance_rate:.0%} is below "
+                        f"{LOW_ACCEPTANCE_WARNING:.0%}: speculation may not pay on these prompts")
+    diverged = [r["speculative"]["first_divergence"] for r in results if r["speculative"]["first_divergence"]]
+    if diverged:
+        warnings.append(f"{len(diverged)} of {len(results)} outputs differ from target-only; see each "
+                        "prompt's first_divergence for the target's top-2 logit gap at that token")
     return {
+        "warnings": warnings,
         "speedup_median": speedup,
         "speedup_vs_hf_median": _median_ratio(results, "speculative", "hf_assisted"),
         "baseline_vs_hf_generate_median": _median_ratio(results, "baseline", "hf_generate"),

@@ -3,20 +3,26 @@ tiny-engine answer over a real WebSocket."""
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import csv
 import io
 import json
+import signal
+import subprocess
+import sys
 import threading
 import time
+import urllib.request
 
 import numpy as np
 import pytest
-from browser_util import recv_until, running_app, wait_ready
+from browser_util import free_port, recv_until, running_app, wait_ready
 from speech import needs_espeak, speak
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
-from app import report
+from app import report, server
 from app.server import (
     AUDIO_HEADER,
     FLAG_REPLAY,
@@ -27,6 +33,7 @@ from app.server import (
     pack_audio,
     unpack_audio,
 )
+from pipeline.options import agent_config_from_args
 from pipeline.timeline import STAGES
 
 # ---------------------------------------------------------------------------------------------- pure pieces
@@ -230,12 +237,11 @@ def test_turns_are_refused_until_models_load():
         assert "test loader stops here" in failed["error"]
 
 
-def send_speech(ws, audio16k, realtime: bool = True) -> None:
+def send_speech(ws, audio16k) -> None:
     """Stream audio as the page does: Int16 frames of 512 samples, in real time."""
     t0 = time.perf_counter()
     for i in range(0, len(audio16k), 512):
-        if realtime:
-            time.sleep(max(0.0, t0 + (i + 512) / 16000 - time.perf_counter()))
+        time.sleep(max(0.0, t0 + (i + 512) / 16000 - time.perf_counter()))
         ws.send((np.clip(audio16k[i:i + 512], -1, 1) * 32767).astype("<i2").tobytes())
 
 
@@ -243,11 +249,11 @@ def send_speech(ws, audio16k, realtime: bool = True) -> None:
 def test_voice_turns_barge_in_and_push_to_talk(app):
     speech = speak("What is the capital of France?")
     silence = np.zeros(16000, np.float32)
-    with connect(app.ws_url, origin=app.url, max_size=None) as ws, \
-            connect(app.ws_url, origin=app.url, max_size=None) as other:
-        recv_until(ws, lambda m: m["type"] == "status")
-        other_hello, _ = recv_until(other, lambda m: m["type"] == "hello")
-        assert len(app.server.sessions) == 2  # one conversation per tab
+    with connect(app.ws_url, origin=app.url, max_size=None) as ws:
+        hello, _ = recv_until(ws, lambda m: m["type"] == "hello")
+        with connect(app.ws_url, origin=app.url) as other:
+            other_hello, _ = recv_until(other, lambda m: m["type"] == "hello")
+            assert len(app.server.sessions) == 2 and other_hello["token"] != hello["token"]  # one per tab
         ws.send(json.dumps({"type": "text", "text": "Say something long."}))
         recv_until(ws, lambda m: m["type"] == "done")  # generated; its audio is still "playing" in the page
         ws.send(json.dumps({"type": "mic", "active": True, "mode": "handsfree"}))
@@ -262,9 +268,47 @@ def test_voice_turns_barge_in_and_push_to_talk(app):
         # Push-to-talk: releasing ends the turn, whatever the VAD thinks.
         ws.send(json.dumps({"type": "mic", "active": False, "mode": "handsfree"}))
         ws.send(json.dumps({"type": "mic", "active": True, "mode": "ptt"}))
-        send_speech(ws, np.concatenate([silence[:4000], speech]), realtime=False)
+        # Real time matters: the server stamps each frame with its arrival, so a burst would squeeze the speech.
+        send_speech(ws, np.concatenate([silence[:4000], speech]))
         ws.send(json.dumps({"type": "mic", "active": False, "mode": "ptt"}))
         ptt, _ = recv_until(ws, lambda m: m["type"] == "done")
         assert ptt["data"]["kind"] == "voice" and "france" in ptt["data"]["transcript"].lower()
-        assert app.server.sessions[other_hello["token"]].turns == []
+        assert [t["kind"] for t in app.server.sessions[hello["token"]].turns] == ["typed", "voice", "voice"]
 
+
+
+def test_cli_options_reach_the_server():
+    parser = argparse.ArgumentParser()
+    server.add_arguments(parser)
+    args = parser.parse_args(["--port", "9000", "--max-concurrent-answers", "2", "--hangover-ms", "200",
+                              "--draft", "ngram", "--asr", "base", "--tts", "piper", "--k", "adaptive"])
+    assert (args.host, args.port, args.max_concurrent_answers) == ("127.0.0.1", 9000, 2)  # loopback by default
+    config = agent_config_from_args(args)
+    assert (config.hangover_ms, config.asr_model, config.tts) == (200, "base", "piper")
+    assert (config.engine.draft, config.engine.k) == ("ngram", "adaptive")
+
+
+def test_specvoice_app_starts_loads_and_stops():
+    """The real entry point: models load in the background while the page is already served; Ctrl-C stops it
+    cleanly (130, the CLI's code for an interrupt, and no traceback)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "app.cli", "app", "--port", str(port), "--target", "tiny-random-target",
+           "--draft", "tiny-random-draft", "--k", "3", "--dtype", "float32", "--draft-quant", "none",
+           "--draft-vocab", "0"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        statuses, deadline = [], time.monotonic() + 120
+        while not (statuses and statuses[-1]["ready"]):
+            assert proc.poll() is None and time.monotonic() < deadline, "the app exited or never got ready"
+            with contextlib.suppress(OSError):
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/specvoice/status", timeout=5) as r:
+                    statuses.append(json.load(r))
+            time.sleep(0.2)
+        assert statuses[-1]["error"] is None and statuses[-1]["drafters"] == ["draft-model", "ngram"]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=10) as r:
+            page = r.read().decode()
+        assert "/specvoice/static/app.js" in page
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=20)
+    assert proc.returncode == 130 and "Traceback" not in out, out
