@@ -74,10 +74,13 @@ class TurnResult:
 class TurnListener:
     """VAD and streaming ASR over one user turn, fed as audio arrives (microphone or replayed file)."""
 
-    def __init__(self, transcriber: Transcriber, hangover_ms: float) -> None:
+    def __init__(self, transcriber: Transcriber, hangover_ms: float, asr_interval_s: float = 1.0) -> None:
         self.vad = EndOfTurnDetector(hangover_ms=hangover_ms)
-        self.asr = StreamingTranscriber(transcriber)
+        # A whisper call costs ~0.5 s here whatever the length (it pads to 30 s). Partials every second leave
+        # the ASR thread idle half the time, so the call started when the speaker pauses can begin at once.
+        self.asr = StreamingTranscriber(transcriber, interval_s=asr_interval_s)
         self.started = False
+        self._was_paused = False
 
     def feed(self, chunk16k: np.ndarray, t_start: float) -> VadEvent | None:
         """Feed audio whose first sample was captured at t_start (perf_counter clock). Returns end_of_turn."""
@@ -87,6 +90,9 @@ class TurnListener:
                 self.started = True
             elif ev.kind == "end_of_turn":
                 return ev
+        if self.vad.paused and not self._was_paused:
+            self.asr.speech_paused()
+        self._was_paused = self.vad.paused
         return None
 
     def finish(self, ev: VadEvent, timeline: Timeline) -> str:

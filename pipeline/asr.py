@@ -126,6 +126,7 @@ class StreamingTranscriber:
         self._partial = ""
         self._partial_n = 0  # samples the partial transcript covered
         self._busy = False
+        self._urgent = False  # the speaker paused: transcribe now rather than at the next interval
         self._closed = False
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="asr-partial", daemon=True)
@@ -157,13 +158,13 @@ class StreamingTranscriber:
             with self._cond:
                 while not self._closed:
                     wait = last_start + self._interval_s - time.monotonic()
-                    if self._n > self._partial_n and wait <= 0:
+                    if self._n > self._partial_n and (wait <= 0 or self._urgent):
                         break
                     self._cond.wait(timeout=wait if wait > 0 else None)
                 if self._closed:
                     return
                 audio, n = self._snapshot()
-                self._busy = True
+                self._busy, self._urgent = True, False
             last_start = time.monotonic()
             text: str | None = None
             try:
@@ -174,6 +175,12 @@ class StreamingTranscriber:
                         self._partial, self._partial_n = text, n
                     self._busy = False
                     self._cond.notify_all()
+
+    def speech_paused(self) -> None:
+        """The VAD saw the first silence after speech: a transcript started now may be the final one."""
+        with self._cond:
+            self._urgent = True
+            self._cond.notify_all()
 
     def close(self) -> None:
         """Stop the background thread without a final transcript (the turn was abandoned)."""

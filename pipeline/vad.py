@@ -68,6 +68,11 @@ class EndOfTurnDetector:
     def in_speech(self) -> bool:
         return self._in_speech
 
+    @property
+    def paused(self) -> bool:
+        """In a turn, and the latest frame was not voiced: the speaker may have finished."""
+        return self._in_speech and self._last_voiced[0] < self._t
+
     def feed(self, samples16k: np.ndarray, t_start: float) -> list[VadEvent]:
         """Process a chunk whose first sample is at stream time t_start (seconds); returns the events it caused."""
         chunk = np.asarray(samples16k, dtype=np.float32).reshape(-1)

@@ -172,3 +172,25 @@ def test_base_model_assembles_and_transcribes(utterance, tmp_path, monkeypatch):
     mtime = model_bin.stat().st_mtime_ns
     Transcriber("base")  # second load reuses the assembled file
     assert model_bin.stat().st_mtime_ns == mtime
+
+
+def test_speech_pause_starts_a_transcription_without_waiting_for_the_interval():
+    class Recorder:
+        def __init__(self):
+            self.calls = []
+
+        def transcribe(self, audio):
+            self.calls.append((time.monotonic(), len(audio)))
+            return f"{len(audio)} samples"
+
+    rec = Recorder()
+    stream = StreamingTranscriber(rec, interval_s=30.0)
+    stream.feed(np.zeros(16000, np.float32))
+    t0 = time.monotonic()
+    stream.speech_paused()
+    deadline = t0 + 2.0
+    while not rec.calls and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert rec.calls and rec.calls[0][0] - t0 < 0.5 and rec.calls[0][1] == 16000
+    assert stream.finish() == "16000 samples"  # the paused-time transcript covered everything: reused
+    assert len(rec.calls) == 1
