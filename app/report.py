@@ -16,19 +16,11 @@ from collections.abc import Sequence
 from datetime import datetime, timezone
 
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from pipeline.bench_voice import bootstrap_ci
 from pipeline.timeline import STAGES
 from specdec.metrics import DEFINITIONS
-
-# Figures only the app measures; specdec.metrics.DEFINITIONS wins if it ever defines them too.
-APP_DEFINITIONS: dict[str, str] = {
-    "heard_delay_ms": "first answer sample heard in the browser (AudioWorklet output time mapped through "
-    "AudioContext.getOutputTimestamp, converted to the server clock by ping/pong) − the server's emission time of "
-    "that sample's packet",
-    "ttfa_heard_ms": "TTFA to the moment the first answer sample was heard in the browser (same start as ttfa_ms)",
-}
-ALL_DEFINITIONS: dict[str, str] = {**APP_DEFINITIONS, **DEFINITIONS}
 
 MODE_COLORS = {False: "#d95f02", True: "#1b9e77"}  # speculation off / on, the same in the page's plots
 STAGE_COLORS = ("#bbbbbb", "#8da0cb", "#66c2a5", "#fc8d62", "#e78ac3")
@@ -110,7 +102,7 @@ def summarize(turns: Sequence[dict]) -> dict:
 
 
 def turns_json(turns: Sequence[dict], meta: dict | None = None) -> str:
-    return json.dumps({"meta": meta or {}, "definitions": ALL_DEFINITIONS, "summary": summarize(turns),
+    return json.dumps({"meta": meta or {}, "definitions": DEFINITIONS, "summary": summarize(turns),
                        "turns": list(turns)}, indent=2, default=str)
 
 
@@ -136,6 +128,7 @@ def ttfa_figure(turns: Sequence[dict]) -> Figure:
         if heard:
             ax.plot(*zip(*heard), "o", mfc="none", color=MODE_COLORS[mode], label=f"{label} (heard)")
     ax.set(xlabel="turn", ylabel="TTFA, ms", title="Time to first audio per turn")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
@@ -168,6 +161,7 @@ def heard_figure(turns: Sequence[dict]) -> Figure:
         ax.plot(*zip(*pts), "o-", color="#7570b3")
     ax.axhline(150, color="gray", ls=":", label="goal: 150 ms median")
     ax.set(xlabel="turn", ylabel="ms", title="Heard delay: emitted by the server → heard in the browser")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -191,6 +185,12 @@ def ab_figure(pairs: Sequence[tuple[dict, dict]]) -> Figure:
 # ------------------------------------------------------------------------------------------------ HTML
 
 
+def _clip(text: str | None, limit: int = 160) -> str:
+    """Table cells stay readable; the full text is in the CSV and JSON."""
+    text = text or ""
+    return html.escape(text if len(text) <= limit else text[:limit] + "…")
+
+
 def _fmt(v, digits: int = 0, pct: bool = False) -> str:
     if v is None or v == "":
         return "–"
@@ -212,7 +212,8 @@ def _data_link(text: str, mime: str, name: str) -> str:
 
 _CSS = """body{font-family:system-ui,sans-serif;max-width:1000px;margin:2em auto;padding:0 1em;color:#222}
 table{border-collapse:collapse;font-size:13px;margin:.5em 0}td,th{border:1px solid #ddd;padding:3px 6px;
-text-align:right;vertical-align:top}td.text{text-align:left;max-width:260px;overflow-wrap:anywhere}
+text-align:right;vertical-align:top}td.text{text-align:left;min-width:180px;max-width:320px;
+overflow-wrap:anywhere}
 img{max-width:100%}dt{font-weight:600}dd{margin:0 0 .4em 1em}"""
 
 
@@ -223,7 +224,8 @@ def render_html(turns: Sequence[dict], meta: dict | None = None) -> str:
     generated = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>specvoice session report</title>"
              f"<style>{_CSS}</style></head><body><h1>specvoice session report</h1><p>Generated {generated}. "]
-    parts.append(" · ".join(f"{html.escape(str(k))}: {html.escape(str(v))}" for k, v in meta.items()) + "</p>")
+    parts.append(" · ".join(f"{html.escape(str(k))}: {_fmt(v, 1) if isinstance(v, float) else html.escape(str(v))}"
+                            for k, v in meta.items()) + "</p>")
     rows = "".join(
         f"<tr><th>{name}</th><td>{s['turns']}</td><td>{_fmt(s['ttfa_ms_median'])}</td>"
         f"<td>{_fmt(s['ttfa_heard_ms_median'])}</td><td>{_fmt(s['tokens_per_s_median'], 1)}</td>"
@@ -252,12 +254,13 @@ def render_html(turns: Sequence[dict], meta: dict | None = None) -> str:
         f"<td>{_fmt(t.get('ttfa_ms'))}</td><td>{_fmt(t.get('ttfa_heard_ms'))}</td><td>{_fmt(t.get('heard_delay_ms'))}"
         "</td>" + "".join(f"<td>{_fmt((t.get('stages') or {}).get(s))}</td>" for s in STAGES)
         + f"<td>{_fmt(t.get('tokens_per_s'), 1)}</td><td>{_fmt(t.get('draft_acceptance_rate'), pct=True)}</td>"
-        f"<td>{_fmt(t.get('mean_accepted_per_step'), 2)}</td><td class='text'>{_fmt(t.get('transcript'))}</td>"
-        f"<td class='text'>{_fmt(t.get('answer'))}</td></tr>"
+        f"<td>{_fmt(t.get('mean_accepted_per_step'), 2)}</td><td class='text'>{_clip(t.get('transcript'))}</td>"
+        f"<td class='text'>{_clip(t.get('answer'))}</td></tr>"
         for t in turns)
-    parts.append(f"<h2>Turns</h2><p>All times in ms.</p><table>{head}{body}</table>")
+    parts.append(f"<h2>Turns</h2><p>All times in ms; texts cut at 160 characters (whole in the data below).</p>"
+                 f"<table>{head}{body}</table>")
     parts.append("<h2>Definitions</h2><dl>" + "".join(
-        f"<dt>{html.escape(k)}</dt><dd>{html.escape(v)}</dd>" for k, v in ALL_DEFINITIONS.items()) + "</dl>")
+        f"<dt>{html.escape(k)}</dt><dd>{html.escape(v)}</dd>" for k, v in DEFINITIONS.items()) + "</dl>")
     parts.append("<h2>Data</h2><p>" + _data_link(turns_csv(turns), "text/csv", "turns.csv") + " · "
                  + _data_link(turns_json(turns, meta), "application/json", "turns.json") + "</p></body></html>")
     return "".join(parts)

@@ -39,13 +39,13 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from pipeline.agent import AgentConfig, Conversation, TurnListener, TurnResult, VoiceAgent
 from pipeline.asr import Transcriber
 from pipeline.audio import SAMPLE_RATE, resample
-from pipeline.llm import EngineLLM, IncrementalDecoder
 from pipeline.options import add_agent_arguments, agent_config_from_args
 from pipeline.say import fresh_state
 from pipeline.timeline import STAGES, Timeline
 from pipeline.tts import make_tts
 from pipeline.vad import EndOfTurnDetector
 from specdec.drafters import NGramDrafter
+from specdec.metrics import DEFINITIONS
 
 from . import report
 
@@ -263,25 +263,6 @@ def available_drafters(agent: VoiceAgent) -> list[str]:
 # ------------------------------------------------------------------------------------------- one tab
 
 
-class StepTap:
-    """Stands in for the conversation's engine and remembers its last step's token ids.
-
-    LLMDelta carries a step's decoded text but not its tokens, and the transcript colours each token by where it
-    came from; the tap lets the server decode the step token by token."""
-
-    def __init__(self, engine) -> None:
-        self._engine = engine
-        self.last = None
-
-    def stream(self, *args, **kwargs):
-        for ev in self._engine.stream(*args, **kwargs):
-            self.last = ev
-            yield ev
-
-    def __getattr__(self, name: str):
-        return getattr(self._engine, name)
-
-
 class TurnStream:
     """The on_event sink of one answer: token pieces for the live panels and audio packets for the player."""
 
@@ -291,19 +272,6 @@ class TurnStream:
         self.stream_audio = stream_audio
         self.seq = 0
         self.prev_t: float | None = None
-        llm = session.conv.llm if session.conv else None
-        self.tap: StepTap | None = getattr(llm, "engine", None) if isinstance(llm, EngineLLM) else None
-        self.decoder = IncrementalDecoder(llm.tokenizer) if self.tap is not None else None
-        if self.tap is not None:
-            self.tap.last = None
-
-    def pieces(self, payload: dict) -> list[list]:
-        """[[text, from_draft], ...] per token when the engine's step is known, else the step's text whole."""
-        ev = self.tap.last if self.tap is not None else None
-        if ev is None or len(ev.tokens) != len(payload["from_draft"]):
-            return [[payload["text"], None]]
-        eos = self.decoder.tokenizer.eos_token_ids
-        return [[self.decoder.push([tok]), draft] for tok, draft in zip(ev.tokens, ev.from_draft) if tok not in eos]
 
     def __call__(self, kind: str, payload: object) -> None:
         if self.session.closed:
@@ -316,7 +284,7 @@ class TurnStream:
             step_rate = n / (now - self.prev_t) if self.prev_t is not None and now > self.prev_t else None
             self.prev_t = now
             drafted, accepted = payload["drafted"], payload["accepted"]
-            self.session.send({"type": "token", "turn": self.turn, "pieces": self.pieces(payload),
+            self.session.send({"type": "token", "turn": self.turn, "pieces": [list(p) for p in payload["pieces"]],
                                "step_tokens": n, "drafted": drafted, "accepted": accepted,
                                "tokens": payload["tokens"], "tokens_per_s": payload["tokens_per_s"],
                                "step_tokens_per_s": step_rate})
@@ -406,8 +374,8 @@ class MicInput:
 
     def _audio(self, chunk: np.ndarray, t_start: float) -> None:
         agent = self.session.server.loader.agent
-        if self.mode is None or agent is None:
-            return
+        if self.mode is None or agent is None or (self.mode == "ptt" and self.listener is None):
+            return  # off, or a held turn already cut at max_turn_s: wait for the release
         if self.listener is None:  # hands-free, waiting for speech
             self.preroll.append((chunk, t_start))
             while self.preroll and t_start - self.preroll[0][1] > self.PREROLL_S:
@@ -423,11 +391,12 @@ class MicInput:
         for c, t in items:
             end = self.listener.feed(c, t)
             self.fed_s += len(c) / SAMPLE_RATE
-            if end is None and self.fed_s > self.session.server.options.max_turn_s:
-                self.session.send({"type": "info", "message": "Turn cut at the length limit."})
-                end = next(iter(self.listener.vad.finish()), None)
             if end is not None:
                 self._end_turn([end])
+                return
+            if self.fed_s > self.session.server.options.max_turn_s:
+                self.session.send({"type": "info", "message": "Turn cut at the length limit."})
+                self._end_turn(self.listener.vad.finish())
                 return
         self._send_partial()
 
@@ -688,17 +657,18 @@ class ClientSession:
     def _conversation(self) -> Conversation:
         if self.conv is None:
             self.conv = self.server.loader.agent.new_conversation()
-            if isinstance(self.conv.llm, EngineLLM):
-                self.conv.llm.engine = StepTap(self.conv.llm.engine)
         changes = {k: v for k, v in self.settings.items()
                    if k in ("drafter", "k", "temperature") and v is not None and self._applied.get(k) != v}
         if changes:
             configure = getattr(self.conv.llm, "configure", None)
-            if configure is None:
-                self.send({"type": "info", "message": "This LLM stage has no drafter/K/temperature controls."})
-            else:
+            try:
+                if configure is None:
+                    raise ValueError("this LLM stage has no drafter/K/temperature controls")
                 configure(**changes)
-            self._applied.update(changes)
+                self._applied.update(changes)
+            except ValueError as e:  # answer anyway, with the settings the conversation already has
+                self.send({"type": "error", "message": f"settings not applied: {e}"})
+                self.settings = {**self.settings, **dict.fromkeys(changes)}
         return self.conv
 
     def _answer(self, text: str, timeline: Timeline, speculation: bool, kind: str, cancel: threading.Event,
@@ -796,7 +766,7 @@ def _ab_run(turn: dict) -> dict:
 
 
 def _definition(name: str) -> str:
-    return f'<div class="sv-def">{html.escape(report.ALL_DEFINITIONS[name])}</div>'
+    return f'<div class="sv-def">{html.escape(DEFINITIONS[name])}</div>'
 
 
 def controls_html(max_text_chars: int, max_ab_repeats: int) -> str:
@@ -825,7 +795,7 @@ def controls_html(max_text_chars: int, max_ab_repeats: int) -> str:
 </div>
 <div class="sv-card">
   <h3>Speculative decoding</h3>
-  <label class="sv-switch"><input type="checkbox" id="speculation" checked> speculation on</label>
+  <label class="sv-switch"><input type="checkbox" id="speculation" checked> speculation</label>
   <label>drafter <select id="drafter"><option value="draft-model">draft model</option>
     <option value="ngram">n-gram</option></select></label>
   <label>K <select id="k-policy">{k_options}</select></label>
@@ -996,8 +966,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = ServerOptions()
     parser.add_argument("--host", default=d.host, help="interface to listen on (default: loopback only)")
     parser.add_argument("--port", type=int, default=d.port)
-    parser.add_argument("--max-concurrent-answers", type=int, default=d.max_concurrent_answers,
-                        help="answers generated at once over all tabs; more get a 'busy' message")
+    parser.add_argument("--max-concurrent-answers", type=int, default=None,
+                        help="answers generated at once over all tabs; more get a 'busy' message (default: "
+                        f"{d.max_concurrent_answers} for the in-process engine on CPU, else 4)")
     parser.add_argument("--max-turn-s", type=float, default=d.max_turn_s, help="a voice turn is cut at this length")
     add_agent_arguments(parser)
 
@@ -1007,7 +978,10 @@ def main(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.WARNING, format="[specvoice] %(message)s")
     log.setLevel(logging.INFO)
-    options = ServerOptions(args.host, args.port, args.max_concurrent_answers, args.max_turn_s)
+    limit = args.max_concurrent_answers
+    if limit is None:  # one CPU answer already uses every core; a GPU or a vLLM server batches
+        limit = ServerOptions.max_concurrent_answers if args.device == "cpu" and not args.llm_url else 4
+    options = ServerOptions(args.host, args.port, limit, args.max_turn_s)
     server = AppServer(agent_config_from_args(args), options)
     app = server.build_app()
     server.loader.start()

@@ -215,7 +215,8 @@ class VoiceAgent:
                 for delta in conv.llm.stream_reply(self.messages(conv, transcript), speculation, stats, cancel):
                     timeline.mark("llm_first_token", delta.t)
                     answer.append(delta.text)
-                    emit("token", {"text": delta.text, "from_draft": delta.from_draft, "drafted": delta.drafted,
+                    emit("token", {"text": delta.text, "pieces": delta.pieces or [(delta.text, None)],
+                                   "from_draft": delta.from_draft, "drafted": delta.drafted,
                                    "accepted": delta.accepted, "tokens": stats.tokens,
                                    "tokens_per_s": stats.tokens_per_s})
                     for chunk in chunker.push(delta.text):

@@ -29,6 +29,7 @@ class LLMDelta:
     accepted: int  # of those, accepted
     t: float  # time.perf_counter() when it was emitted
     finish_reason: str | None = None
+    pieces: list[tuple[str, bool | None]] = field(default_factory=list)  # per token: (text, from an accepted draft)
 
 
 @dataclass
@@ -98,8 +99,18 @@ class EngineLLM:
         if temperature is not None:
             self.sampling = SamplingParams(temperature, self.sampling.top_p)
 
-    def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        return self.tokenizer.chat_ids(messages)
+    def prompt_ids(self, messages: list[dict[str, str]], stats: ReplyStats | None = None) -> list[int]:
+        """The chat prompt, dropping the oldest exchanges until it leaves room for the answer."""
+        room = self.engine.target.max_context - self.max_new_tokens
+        msgs = list(messages)
+        ids = self.tokenizer.chat_ids(msgs)
+        has_system = bool(msgs) and msgs[0]["role"] == "system"
+        while len(ids) > room and len(msgs) > 1 + has_system:
+            del msgs[has_system:has_system + 2]  # one user/assistant exchange
+            ids = self.tokenizer.chat_ids(msgs)
+            if stats is not None:
+                stats.notes.append("oldest conversation turns dropped to fit the context")
+        return ids
 
     def stream_reply(self, messages: list[dict[str, str]], speculation: bool, stats: ReplyStats,
                      cancel: threading.Event | None = None) -> Iterator[LLMDelta]:
@@ -107,7 +118,7 @@ class EngineLLM:
         config = GenerationConfig(self.max_new_tokens, self.sampling, self.seed, speculation, policy)
         decoder = IncrementalDecoder(self.tokenizer)
         eos = self.tokenizer.eos_token_ids
-        for ev in self.engine.stream(self.prompt_ids(messages), config, cancel, stats.spec, self.session):
+        for ev in self.engine.stream(self.prompt_ids(messages, stats), config, cancel, stats.spec, self.session):
             now = time.perf_counter()
             if ev.note:
                 stats.notes.append(ev.note)
@@ -115,5 +126,6 @@ class EngineLLM:
                 stats.first_token_t = now
             stats.last_token_t = now
             stats.tokens += len(ev.tokens)
-            text = decoder.push([t for t in ev.tokens if t not in eos])
-            yield LLMDelta(text, len(ev.tokens), ev.from_draft, ev.k, ev.n_accepted, now, ev.finish_reason)
+            pieces = [(decoder.push([t]), d) for t, d in zip(ev.tokens, ev.from_draft) if t not in eos]
+            text = "".join(p for p, _ in pieces)
+            yield LLMDelta(text, len(ev.tokens), ev.from_draft, ev.k, ev.n_accepted, now, ev.finish_reason, pieces)

@@ -10,11 +10,17 @@ DEFINITIONS: dict[str, str] = {
     "alpha": "per-token acceptance probability α (Leviathan et al.), estimated as accepted ÷ (accepted + "
     "rejections), the maximum-likelihood value when each draft token is accepted independently",
     "per_position_acceptance": "for draft position i, accepted ÷ proposed at that position",
-    "tokens_per_s": "tokens emitted ÷ wall seconds from the first decode step to the last token",
+    "tokens_per_s": "generated tokens ÷ seconds generating them: in bench and generate the whole generation, "
+    "prefill included; in a voice turn (tokens − 1) ÷ first-to-last-token seconds, as prefill is its own stage",
     "expected_speedup": "Leviathan et al.: (1 − α^(K+1)) / ((1 − α)(cK + 1)), c = draft forward ÷ target forward",
     "draft_cost_ratio": "c = seconds per draft forward ÷ seconds per target forward",
-    "ttfa_ms": "time to first audio: last voiced user audio → first answer sample out of TTS (server) "
-    "or heard in the browser; includes the end-of-turn silence wait",
+    "ttfa_ms": "time to first audio: end of the last voiced user audio → first answer sample out of the TTS "
+    "(server side); includes the end-of-turn silence wait, and its stages add up to it",
+    "ttfa_heard_ms": "the same start → the first answer sample heard in the browser (AudioWorklet output time, "
+    "mapped to the server clock)",
+    "heard_delay_ms": "first answer sample heard in the browser (AudioWorklet output time mapped through "
+    "AudioContext.getOutputTimestamp, converted to the server clock by ping/pong) − the server's emission time of "
+    "that sample's packet",
 }
 
 

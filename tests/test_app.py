@@ -17,9 +17,9 @@ import urllib.request
 
 import numpy as np
 import pytest
-from browser_util import free_port, recv_until, running_app, wait_ready
+from browser_util import free_port, recv_until, running_app, shared_agent, tiny_config, wait_ready
 from speech import needs_espeak, speak
-from websockets.exceptions import InvalidStatus
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
 from app import report, server
@@ -33,6 +33,7 @@ from app.server import (
     pack_audio,
     unpack_audio,
 )
+from pipeline.agent import VoiceAgent
 from pipeline.options import agent_config_from_args
 from pipeline.timeline import STAGES
 
@@ -312,3 +313,50 @@ def test_specvoice_app_starts_loads_and_stops():
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=20)
     assert proc.returncode == 130 and "Traceback" not in out, out
+
+
+def test_uploads_are_capped(app):
+    with connect(app.ws_url, origin=app.url) as ws:
+        recv_until(ws, lambda m: m["type"] == "status")
+        ws.send(b"\x00" * (2 * 16000 + 2))  # over one second in one mic frame: refused, the socket stays
+        err, _ = recv_until(ws, lambda m: m["type"] == "error")
+        assert "mic frames" in err["message"]
+        ws.send(b"\x00" * (app.server.options.max_message_bytes + 2))  # over the message cap: the socket closes
+        with pytest.raises(ConnectionClosed) as closed:
+            recv_until(ws, lambda m: False, timeout=10)
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == 1009  # message too big
+
+
+@needs_espeak
+def test_a_held_turn_is_cut_at_the_length_limit():
+    speech = speak("What is the capital of France?")
+    with running_app(max_turn_s=1.0) as app:
+        wait_ready(app)
+        with connect(app.ws_url, origin=app.url, max_size=None) as ws:
+            recv_until(ws, lambda m: m["type"] == "status")
+            ws.send(json.dumps({"type": "mic", "active": True, "mode": "ptt"}))
+            send_speech(ws, speech)
+            cut, _ = recv_until(ws, lambda m: m["type"] == "info")
+            assert "length limit" in cut["message"]
+            done, _ = recv_until(ws, lambda m: m["type"] == "done")
+            ws.send(json.dumps({"type": "mic", "active": False, "mode": "ptt"}))
+            assert done["data"]["kind"] == "voice" and "france" not in done["data"]["transcript"].lower()
+
+
+def test_unavailable_drafter_is_refused_but_the_turn_answered():
+    shared = shared_agent()
+    config = tiny_config()
+    config.engine.draft = "ngram"  # no draft model loaded
+
+    def build(progress):
+        return VoiceAgent(config, transcriber=shared.transcriber, tts=shared.tts)
+
+    with running_app(build=build) as app, connect(app.ws_url, origin=app.url, max_size=None) as ws:
+        status, _ = recv_until(ws, lambda m: m["type"] == "status" and m["ready"])
+        assert status["drafters"] == ["ngram"]
+        ws.send(json.dumps({"type": "settings", "speculation": True, "drafter": "draft-model"}))
+        ws.send(json.dumps({"type": "text", "text": "Hello?"}))
+        err, _ = recv_until(ws, lambda m: m["type"] == "error")
+        assert "settings not applied" in err["message"] and "no draft model" in err["message"]
+        done, _ = recv_until(ws, lambda m: m["type"] == "done")
+        assert done["data"]["settings"]["drafter"] is None and done["data"]["answer"]

@@ -99,6 +99,19 @@ def test_spoken_turn_is_answered_heard_and_measured(page):
     page.screenshot(path=SCREENSHOT, full_page=True)
 
 
+def test_push_to_talk(page):
+    box = page.locator("#ptt").bounding_box()
+    page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+    page.mouse.down()
+    # Hold until the streaming ASR has heard the whole question (the fake microphone loops it), then release.
+    page.wait_for_function("specvoice.partial.toLowerCase().includes('france')", timeout=20_000)
+    page.mouse.up()
+    page.wait_for_function("Object.values(specvoice.turns).some(t => t.kind === 'voice' && t.data)", timeout=30_000)
+    turn = page.evaluate("Object.values(specvoice.turns).find(t => t.kind === 'voice')")
+    assert "france" in turn["transcript"].lower() and turn["data"]["ttfa_ms"] > 0
+    assert page.evaluate("specvoice.micMode") is None and page.inner_text("#vad-state") == "mic off"
+
+
 def test_speculation_switch_and_typed_input(page):
     page.uncheck("#speculation")
     off = typed_turn(page, "Tell me a short story.", heard=False)
@@ -112,6 +125,10 @@ def test_speculation_switch_and_typed_input(page):
     assert on["speculation"] is True and on["data"]["draft_acceptance_rate"] is not None
     page.wait_for_timeout(200)
     assert page.inner_text("#acceptance-rate").endswith("%")
+    page.select_option("#drafter", "ngram")
+    page.select_option("#k-policy", "2")
+    ngram = typed_turn(page, "One more.", heard=False)
+    assert ngram["data"]["settings"] == {"speculation": True, "drafter": "ngram", "k": "2", "temperature": None}
 
 
 def test_ab_run_gives_paired_results(page):

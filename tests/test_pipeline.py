@@ -191,3 +191,15 @@ def test_remote_openai_compatible_server_as_llm_stage(transcriber):
         d = agent.respond(agent.new_conversation(), "capital of France?", Timeline(), True).to_dict()
     assert d["answer"].startswith("Paris is the capital")
     assert 0 < d["draft_acceptance_rate"] <= 1 and d["ttfa_ms"] > 0
+
+
+def test_long_history_is_trimmed_to_fit_the_context(transcriber):
+    agent = VoiceAgent(AgentConfig(engine=TINY_ENGINE, max_new_tokens=16, history_turns=50), transcriber=transcriber,
+                       tts=FakeTTS())
+    conv = agent.new_conversation()
+    for i in range(12):  # the tiny model's context is 512 tokens; 12 exchanges of ~60 bytes overflow it
+        result = agent.respond(conv, f"question number {i}: " + "x" * 40, Timeline(), True)
+        assert result.stats.tokens > 0
+    assert any("dropped" in n for n in result.stats.notes)
+    with pytest.raises(ValueError, match="prompt is"):
+        agent.respond(conv, "y" * 600, Timeline(), True)

@@ -678,7 +678,10 @@
     }
   });
   document.addEventListener('input', (e) => {
-    if (e.target.id === 'temperature') setText('temperature-value', Number(e.target.value).toFixed(1));
+    if (e.target.id === 'temperature') { // dragging: keep status updates from moving the slider back
+      S.touched.add('temperature');
+      setText('temperature-value', Number(e.target.value).toFixed(1));
+    }
   });
 
   setupAudio();
