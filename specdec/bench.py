@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -66,15 +67,20 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 
 @torch.inference_mode()
 def explain_divergence(model, prompt: list[int], baseline: list[int], index: int) -> dict:
-    """At the first differing token: the target's two best logits there. A gap of (near) zero is a tie
-    that batched and one-by-one kernels may break differently in low precision."""
+    """At the first differing token: the target's two best logits there. A gap of at most two rounding steps
+    of the model's dtype is a tie that batched and one-by-one kernels may break differently."""
     ids = torch.tensor([prompt + baseline[:index]], device=model.device)
     logits = model(input_ids=ids, logits_to_keep=1).logits[0, -1].float()
     top = logits.topk(2)
     gap = float(top.values[0] - top.values[1])
-    return {"index": index, "top2_tokens": top.indices.tolist(), "top2_logit_gap": gap,
-            "explanation": "near-tie in the target's logits: low-precision batched and one-by-one kernels round "
-                           "differently" if gap < 0.07 else "not a near-tie: investigate"}
+    top1 = abs(float(top.values[0])) or 1.0
+    ulp = 2.0 ** math.floor(math.log2(top1)) * torch.finfo(model.dtype).eps  # spacing of dtype at top1
+    near_tie = gap <= 2 * ulp
+    return {"index": index, "top2_tokens": top.indices.tolist(), "top2_logit_gap": gap, "dtype_step": ulp,
+            "near_tie": near_tie,
+            "explanation": (f"near-tie: the target's top two logits differ by {gap:.4g}, at most two {model.dtype} "
+                            "rounding steps; batched verification and one-by-one decoding round differently")
+            if near_tie else "not a near-tie: investigate"}
 
 
 def hf_generate(target_model, prompt: list[int], n: int, eos: set[int], assistant=None, k: int = 4) -> list[int]:
