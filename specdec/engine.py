@@ -141,6 +141,8 @@ class SpeculativeEngine:
             if drafter is not None and governor.off_reason and self.auto_off:
                 note, drafter = governor.off_reason, None
                 k = 0
+            elif self.auto_off and governor.wants_probe:
+                k = 0  # one plain step measures what target-only costs, for the governor's comparison
             t0 = time.perf_counter()
             proposal = Proposal([], None, 0)
             if k > 0:

@@ -61,15 +61,14 @@ class AdaptiveK:
 class SpeculationGovernor:
     """Switches speculation off, with the reason, when it is measured to be slower than target-only.
 
-    Speculative rate: tokens emitted ÷ (draft + verify seconds) over recent steps. Target-only rate: from
-    plain one-token target steps if any were seen, else 1 ÷ verify seconds (a verify pass costs at least
-    a one-token forward, so this errs towards keeping speculation on only when it clearly pays).
+    Speculative rate: tokens emitted ÷ (draft + verify seconds) over recent steps. Target-only rate: 1 ÷ the
+    median plain one-token step; when none was seen, the governor asks for one (`wants_probe`), so the
+    comparison is against a measured target-only step, which costs no tokens: a plain step still emits one.
     """
 
     def __init__(self, window: int = 8, min_steps: int = 6) -> None:
         self.spec = deque(maxlen=window)
         self.plain = deque(maxlen=window)
-        self.verify = deque(maxlen=window)
         self.min_steps = min_steps
         self.seen = 0
         self.off_reason = ""
@@ -80,14 +79,21 @@ class SpeculationGovernor:
             return  # the first step carries the prompt's prefill
         if k == 0:
             self.plain.append(verify_s)
+            self._decide()
             return
         self.spec.append((emitted, draft_s + verify_s))
-        self.verify.append(verify_s)
-        if len(self.spec) < self.min_steps or self.off_reason:
+        self._decide()
+
+    @property
+    def wants_probe(self) -> bool:
+        """Enough speculative steps to judge, but no plain step measured yet."""
+        return not self.plain and len(self.spec) >= self.min_steps and not self.off_reason
+
+    def _decide(self) -> None:
+        if len(self.spec) < self.min_steps or not self.plain or self.off_reason:
             return
         spec_rate = sum(e for e, _ in self.spec) / sum(s for _, s in self.spec)
-        single = statistics.median(self.plain) if self.plain else statistics.median(self.verify)
-        plain_rate = 1.0 / single
+        plain_rate = 1.0 / statistics.median(self.plain)
         if spec_rate < plain_rate:
             self.off_reason = (f"speculation switched off: measured {spec_rate:.1f} tok/s with drafts vs "
                                f"{plain_rate:.1f} tok/s target-only")

@@ -165,12 +165,15 @@ def test_adaptive_k_runs_in_engine_within_bounds(tiny):
 def test_governor_switches_off_when_measured_slower():
     gov = SpeculationGovernor(window=4, min_steps=3)
     for _ in range(6):
-        gov.observe(k=4, emitted=1, draft_s=0.3, verify_s=0.2)  # 2 tok/s vs 5 tok/s target-only
-    assert "switched off" in gov.off_reason
+        gov.observe(k=4, emitted=2, draft_s=0.1, verify_s=0.4)  # 4 tok/s with drafts
+    assert gov.wants_probe and gov.off_reason == ""  # no target-only step measured yet: ask for one
+    gov.observe(k=0, emitted=1, draft_s=0.0, verify_s=0.2)  # 5 tok/s target-only
+    assert "switched off" in gov.off_reason and not gov.wants_probe
     fast = SpeculationGovernor(window=4, min_steps=3)
     for _ in range(6):
         fast.observe(k=4, emitted=4, draft_s=0.05, verify_s=0.2)
-    assert fast.off_reason == ""
+    fast.observe(k=0, emitted=1, draft_s=0.0, verify_s=0.2)
+    assert fast.off_reason == "" and not fast.wants_probe
 
 
 def test_engine_reports_auto_off_and_stays_lossless(tiny):
