@@ -45,6 +45,10 @@ class PrefixCache:
         self.rollback(keep)
         new = tokens[keep:]
         ids = torch.tensor([new], device=self.device)
-        out = self.model(input_ids=ids, cache=self.kv, use_cache=True, logits_to_keep=n_logits)
+        try:
+            out = self.model(input_ids=ids, cache=self.kv, use_cache=True, logits_to_keep=n_logits)
+        except BaseException:
+            self.reset()  # a forward that failed half-way may have grown some layers' caches: start over
+            raise
         self.tokens = list(tokens)
         return out.logits[0]

@@ -311,3 +311,34 @@ def test_session_with_prompt_already_cached_stays_lossless(tiny):
     for speculate in (False, True, True, False):
         tokens, _ = collect(engine.stream(ids, GenerationConfig(25, speculate=speculate), session=session))
         assert tokens == expected, speculate
+
+
+def test_draft_model_crashing_inside_its_forward_leaves_a_usable_session(tiny):
+    from specdec.engine import EngineSession
+
+    target, draft = tiny
+
+    class CrashOnce(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.calls = inner, 0
+
+        def forward(self, **kw):
+            self.calls += 1
+            out = self.inner(**kw)  # the cache has grown already when the failure hits
+            if self.calls == 4:
+                raise RuntimeError("out of memory in the draft")
+            return out
+
+    crashing = CrashOnce(draft.model)
+    engine = make_engine(target, lambda: DraftModelDrafter(crashing, draft.device), "3")
+    session = EngineSession(engine)
+    ids = target.tokenizer.chat_ids([{"role": "user", "content": "hello there"}])
+    tokens, events = collect(engine.stream(ids, GenerationConfig(20), session=session))
+    assert tokens == target_only(target, ids, 20) and any("drafter failed" in ev.note for ev in events)
+    again = target.tokenizer.chat_ids([{"role": "user", "content": "and once more"}])
+    stats = SpecStats()
+    tokens, _ = collect(engine.stream(again, GenerationConfig(20), stats=stats, session=session))
+    assert tokens == target_only(target, again, 20) and stats.proposed > 0
+    cache = session.drafter.cache
+    assert cache.kv.get_seq_length() == len(cache.tokens)  # the cache still holds exactly what it says
