@@ -10,7 +10,7 @@ import importlib
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -68,7 +68,6 @@ class LoadedModel:
     tokenizer: Tokenizer
     device: torch.device
     dtype: torch.dtype
-    extra: dict = field(default_factory=dict)
 
     @property
     def max_context(self) -> int:
