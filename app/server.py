@@ -36,15 +36,13 @@ from urllib.parse import urlsplit
 import numpy as np
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from pipeline.agent import AgentConfig, Conversation, TurnListener, TurnResult, VoiceAgent
+from pipeline.agent import AgentConfig, Conversation, TurnListener, TurnResult, VoiceAgent, ab_order
 from pipeline.asr import Transcriber
 from pipeline.audio import SAMPLE_RATE, resample
 from pipeline.options import add_agent_arguments, agent_config_from_args
-from pipeline.say import fresh_state
 from pipeline.timeline import STAGES, Timeline
 from pipeline.tts import make_tts
 from pipeline.vad import EndOfTurnDetector
-from specdec.drafters import NGramDrafter
 from specdec.metrics import DEFINITIONS
 
 from . import report
@@ -256,8 +254,7 @@ def available_drafters(agent: VoiceAgent) -> list[str]:
     """Drafters a conversation may switch to (EngineLLM.configure): none for a remote LLM."""
     if agent.engine is None:
         return []
-    factory = agent.engine.drafter_factory
-    return (["draft-model"] if factory is not None and factory is not NGramDrafter else []) + ["ngram"]
+    return (["draft-model"] if agent.engine.has_draft_model else []) + ["ngram"]
 
 
 # ------------------------------------------------------------------------------------------- one tab
@@ -724,10 +721,10 @@ class ClientSession:
             for rep in range(repeats):
                 runs = {}
                 # Alternate which mode goes first, so neither profits from running second.
-                for spec in (False, True) if rep % 2 == 0 else (True, False):
+                for spec in ab_order(rep):
                     if cancel.is_set() or self.closed:
                         break
-                    fresh_state(self._conversation(), agent)  # every run starts from the same KV state
+                    agent.rewind(self._conversation())  # every run starts from the same KV state
                     runs[spec] = self._answer(text, Timeline(), spec, "ab", cancel, remember=False, ab=ab,
                                               ab_repeat=rep)
                 if len(runs) < 2:

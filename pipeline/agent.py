@@ -71,6 +71,11 @@ class TurnResult:
         }
 
 
+def ab_order(index: int) -> tuple[bool, bool]:
+    """Speculation off/on order of the index-th paired run: alternating, so neither mode profits from going second."""
+    return (False, True) if index % 2 == 0 else (True, False)
+
+
 class TurnListener:
     """VAD and streaming ASR over one user turn, fed as audio arrives (microphone or replayed file)."""
 
@@ -146,6 +151,12 @@ class VoiceAgent:
 
     def new_conversation(self) -> Conversation:
         return Conversation(self)
+
+    def rewind(self, conv: Conversation) -> None:
+        """Back to the state a paired run starts from: only the shared system-prompt prefix stays cached."""
+        session = getattr(conv.llm, "session", None)
+        if session is not None:
+            session.rollback(len(self.shared_prefix))
 
     def warmup(self) -> None:
         """Pay first-call costs (TTS lexicons, ASR buffers, kernels for both modes) before anyone waits."""

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from specdec.metrics import DEFINITIONS
 
-from .agent import VoiceAgent
+from .agent import VoiceAgent, ab_order
 from .audio import load_audio, to_mono_16k
 from .options import add_agent_arguments, agent_config_from_args
 from .say import run_turn
@@ -48,9 +48,7 @@ def main(args: argparse.Namespace) -> int:
     for rep in range(args.repeats):
         for i, wav in enumerate(wavs):
             audio = to_mono_16k(*load_audio(wav))
-            # Alternate which mode goes first, so neither profits from running second.
-            order = [False, True] if (rep + i) % 2 == 0 else [True, False]
-            turns = {spec: run_turn(agent, conv, audio, spec, paired=True).to_dict() for spec in order}
+            turns = {spec: run_turn(agent, conv, audio, spec, paired=True).to_dict() for spec in ab_order(rep + i)}
             pair = {"wav": wav.name, "repeat": rep, "off": turns[False], "on": turns[True],
                     "ratio_on_off": turns[True]["ttfa_ms"] / turns[False]["ttfa_ms"]}
             pairs.append(pair)

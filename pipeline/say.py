@@ -25,17 +25,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_agent_arguments(parser)
 
 
-def fresh_state(conv: Conversation, agent: VoiceAgent) -> None:
-    """Paired runs start from the same state: only the shared system-prompt prefix stays cached."""
-    session = getattr(conv.llm, "session", None)
-    if session is not None:
-        session.rollback(len(agent.shared_prefix))
-
-
 def run_turn(agent: VoiceAgent, conv: Conversation, audio16k: np.ndarray, speculation: bool,
              paired: bool) -> TurnResult:
     if paired:
-        fresh_state(conv, agent)
+        agent.rewind(conv)
     return agent.turn_from_recording(conv, audio16k, speculation, remember=not paired)
 
 

@@ -99,10 +99,10 @@ def build_engine(spec: EngineSpec) -> tuple[SpeculativeEngine, LoadedModel]:
     return engine, target
 
 
-def add_engine_arguments(parser, draft_default: str = EngineSpec.draft) -> None:
+def add_engine_arguments(parser) -> None:
     d = EngineSpec()
     parser.add_argument("--target", default=d.target, help="preset, local directory or hub id")
-    parser.add_argument("--draft", default=draft_default, help="draft preset/path/hub id, 'ngram' or 'none'")
+    parser.add_argument("--draft", default=d.draft, help="draft preset/path/hub id, 'ngram' or 'none'")
     parser.add_argument("--k", default=d.k, help="drafts per step: an integer or 'adaptive'")
     parser.add_argument("--k-min", type=int, default=d.k_min)
     parser.add_argument("--k-max", type=int, default=d.k_max)

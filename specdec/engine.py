@@ -55,12 +55,16 @@ class EngineSession:
         self.target = PrefixCache(engine.target.model, engine.target.device)
         self.drafter = engine.drafter_factory() if engine.drafter_factory else None
 
+    @property
+    def _draft_cache(self) -> PrefixCache | None:
+        return getattr(self.drafter, "cache", None)  # n-gram drafters keep none
+
     def use_drafter(self, kind: str) -> None:
         """Switch this conversation's drafter: "draft-model" (the engine's) or "ngram"."""
         if kind == "ngram":
             self.drafter = NGramDrafter()
         elif kind == "draft-model":
-            if self.engine.drafter_factory is None or self.engine.drafter_factory is NGramDrafter:
+            if not self.engine.has_draft_model:
                 raise ValueError("no draft model loaded: start with --draft MODEL to use it")
             self.drafter = self.engine.drafter_factory()
         else:
@@ -69,15 +73,13 @@ class EngineSession:
     def prefill(self, ids: list[int]) -> None:
         """Warm both caches on a prefix that every answer shares (the system prompt)."""
         self.target.extend(ids)
-        cache = getattr(self.drafter, "cache", None)
-        if cache is not None:
-            cache.extend(ids)
+        if self._draft_cache is not None:
+            self._draft_cache.extend(ids)
 
     def rollback(self, length: int) -> None:
         self.target.rollback(length)
-        cache = getattr(self.drafter, "cache", None)
-        if cache is not None:
-            cache.rollback(length)
+        if self._draft_cache is not None:
+            self._draft_cache.rollback(length)
 
 
 class SpeculativeEngine:
@@ -93,6 +95,10 @@ class SpeculativeEngine:
         self.auto_off = auto_off  # let the governor switch speculation off when it measures it slower
         self._active = 0
         self._lock = threading.Lock()
+
+    @property
+    def has_draft_model(self) -> bool:
+        return self.drafter_factory is not None and self.drafter_factory is not NGramDrafter
 
     def check_prompt(self, prompt_ids: list[int], max_new_tokens: int = 1) -> None:
         if max_new_tokens < 1:
