@@ -308,6 +308,7 @@ class MicInput:
         self.gate: EndOfTurnDetector | None = None
         self.preroll: deque[tuple[np.ndarray, float]] = deque()
         self.fed_s = 0.0
+        self.fed: list[np.ndarray] = []  # this turn's audio as the listener got it, for A/B replays
         self.partial = ""
         self.last_partial_t = 0.0
         self.thread = threading.Thread(target=self._run, name="mic", daemon=True)
@@ -366,7 +367,7 @@ class MicInput:
             self.gate.reset()
 
     def _new_listener(self, listener: TurnListener) -> None:
-        self.listener, self.fed_s, self.partial = listener, 0.0, ""
+        self.listener, self.fed_s, self.fed, self.partial = listener, 0.0, [], ""
         self.session.send({"type": "vad", "event": "listening"})
 
     def _audio(self, chunk: np.ndarray, t_start: float) -> None:
@@ -388,6 +389,7 @@ class MicInput:
         for c, t in items:
             end = self.listener.feed(c, t)
             self.fed_s += len(c) / SAMPLE_RATE
+            self.fed.append(c)
             if end is not None:
                 self._end_turn([end])
                 return
@@ -428,7 +430,7 @@ class MicInput:
             self.session.send({"type": "info", "message": "Speech was heard but nothing intelligible transcribed."})
             return
         self.session.send({"type": "transcript", "text": transcript})
-        self.session.start_turn(transcript, timeline, "voice")
+        self.session.start_turn(transcript, timeline, "voice", np.concatenate(self.fed) if self.fed else None)
 
 
 class ClientSession:
@@ -447,6 +449,7 @@ class ClientSession:
         self.conv: Conversation | None = None
         self.turns: list[dict] = []
         self.last_utterance = ""
+        self.last_utterance_audio: np.ndarray | None = None  # set when the last utterance was spoken
         self._audio: dict[int, tuple[list[np.ndarray], int]] = {}
         self._emitted_ms: dict[int, float] = {}  # turn → server time its first audio packet left
         self._timelines: dict[int, Timeline] = {}
@@ -562,12 +565,14 @@ class ClientSession:
         self.mic.put(("control", bool(m.get("active")), mode))
 
     def _ab(self, m: dict, received: float) -> None:
-        text = str(m.get("text") or "").strip()[: self.server.options.max_text_chars] or self.last_utterance
+        typed = str(m.get("text") or "").strip()[: self.server.options.max_text_chars]
+        text = typed or self.last_utterance
         if not text:
             self.send({"type": "error", "message": "A/B needs an utterance: say or type something first."})
             return
+        audio = None if typed else self.last_utterance_audio
         repeats = min(max(int(m.get("repeats", 3)), 1), self.server.options.max_ab_repeats)
-        self._start_worker(lambda cancel: self._ab_job(text, repeats, cancel))
+        self._start_worker(lambda cancel: self._ab_job(text, audio, repeats, cancel))
 
     def _heard_msg(self, m: dict, received: float) -> None:
         turn = int(m["turn"])
@@ -628,8 +633,8 @@ class ClientSession:
             self.playing_until = 0.0
             self.send({"type": "flush", "reason": reason})
 
-    def start_turn(self, text: str, timeline: Timeline, kind: str) -> None:
-        self.last_utterance = text
+    def start_turn(self, text: str, timeline: Timeline, kind: str, audio: np.ndarray | None = None) -> None:
+        self.last_utterance, self.last_utterance_audio = text, audio
         self._start_worker(lambda cancel: self._turn_job(text, timeline, kind, cancel))
 
     def _start_worker(self, job: Callable[[threading.Event], None]) -> None:
@@ -669,7 +674,8 @@ class ClientSession:
         return self.conv
 
     def _answer(self, text: str, timeline: Timeline, speculation: bool, kind: str, cancel: threading.Event,
-                remember: bool = True, **extra) -> dict:
+                remember: bool = True, replay: np.ndarray | None = None, **extra) -> dict:
+        """Answer text, or with replay: that recording, replayed in real time through VAD and ASR first."""
         agent = self.server.loader.agent
         conv = self._conversation()
         turn = next(self._ids)
@@ -677,7 +683,10 @@ class ClientSession:
         self.send({"type": "turn", "turn": turn, "kind": kind, "speculation": speculation, "transcript": text,
                    **extra})
         stream = TurnStream(self, turn, stream_audio=kind != "ab")
-        result = agent.respond(conv, text, timeline, speculation, stream, cancel, remember)
+        if replay is None:
+            result = agent.respond(conv, text, timeline, speculation, stream, cancel, remember)
+        else:
+            result = agent.turn_from_recording(conv, replay, speculation, stream, cancel, remember, timeline)
         return self._record(turn, kind, result, **extra)
 
     def _record(self, turn: int, kind: str, result: TurnResult, **extra) -> dict:
@@ -712,11 +721,11 @@ class ClientSession:
     def _turn_job(self, text: str, timeline: Timeline, kind: str, cancel: threading.Event) -> None:
         self._guarded(cancel, lambda: self._answer(text, timeline, self.settings["speculation"], kind, cancel))
 
-    def _ab_job(self, text: str, repeats: int, cancel: threading.Event) -> None:
+    def _ab_job(self, text: str, audio: np.ndarray | None, repeats: int, cancel: threading.Event) -> None:
         def body() -> None:
             agent = self.server.loader.agent
             ab = next(self._ab_ids)
-            self.send({"type": "ab_start", "ab": ab, "text": text, "repeats": repeats})
+            self.send({"type": "ab_start", "ab": ab, "text": text, "repeats": repeats, "spoken": audio is not None})
             pairs: list[dict] = []
             for rep in range(repeats):
                 runs = {}
@@ -725,14 +734,15 @@ class ClientSession:
                     if cancel.is_set() or self.closed:
                         break
                     agent.rewind(self._conversation())  # every run starts from the same KV state
-                    runs[spec] = self._answer(text, Timeline(), spec, "ab", cancel, remember=False, ab=ab,
-                                              ab_repeat=rep)
+                    runs[spec] = self._answer(text, Timeline(), spec, "ab", cancel, remember=False, replay=audio,
+                                              ab=ab, ab_repeat=rep)
                 if len(runs) < 2:
                     break
                 pairs.append({"repeat": rep, "off": _ab_run(runs[False]), "on": _ab_run(runs[True])})
                 self.send({"type": "ab_progress", "ab": ab, "done": rep + 1, "repeats": repeats})
             summary = report.paired_difference([(p["off"]["ttfa_ms"], p["on"]["ttfa_ms"]) for p in pairs])
-            self.send({"type": "ab_result", "ab": ab, "text": text, "pairs": pairs, "summary": summary})
+            self.send({"type": "ab_result", "ab": ab, "text": text, "pairs": pairs, "summary": summary,
+                       "spoken": audio is not None})
 
         self._guarded(cancel, body)
 
@@ -755,7 +765,8 @@ class ClientSession:
 
 
 def _ab_run(turn: dict) -> dict:
-    keys = ("turn", "ttfa_ms", "tokens_per_s", "draft_acceptance_rate", "answer", "audio_seconds", "cancelled")
+    keys = ("turn", "transcript", "ttfa_ms", "stages", "tokens_per_s", "draft_acceptance_rate", "answer",
+            "audio_seconds", "cancelled")
     return {k: turn.get(k) for k in keys}
 
 
@@ -807,7 +818,8 @@ def controls_html(max_text_chars: int, max_ab_repeats: int) -> str:
     <button id="ab-run" class="sv-btn">Run A/B</button>
   </div>
   <div class="sv-def">Each run starts from the same conversation state (KV cache rolled back to the system prompt,
-    A/B turns not remembered); the order alternates. TTFA here starts when the text is submitted (no VAD/ASR).</div>
+    A/B turns not remembered); the order alternates. A spoken utterance is replayed in real time through VAD and ASR,
+    so its TTFA has every stage; typed text starts when it is submitted (no VAD/ASR).</div>
   <div id="ab-results"></div>
 </div>
 <div class="sv-card">

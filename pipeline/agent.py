@@ -175,10 +175,10 @@ class VoiceAgent:
 
     def turn_from_recording(self, conv: Conversation, audio16k: np.ndarray, speculation: bool,
                             on_event: EventSink | None = None, cancel: threading.Event | None = None,
-                            remember: bool = True) -> TurnResult:
+                            remember: bool = True, timeline: Timeline | None = None) -> TurnResult:
         """Replay a recording in real time, as if its speaker were talking now, then answer."""
         listener = self.listen()
-        timeline = Timeline()
+        timeline = timeline or Timeline()
         step = 512
         t0 = time.perf_counter()
         end: VadEvent | None = None

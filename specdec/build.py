@@ -10,7 +10,8 @@ import torch
 from .drafters import Drafter, DraftModelDrafter, NGramDrafter, restrict_vocab
 from .engine import SpeculativeEngine
 from .kpolicy import AdaptiveK, FixedK, KPolicy
-from .models import LoadedModel, check_memory, estimate_pair_bytes, load_model
+from .kv import fastest_min_feed
+from .models import LoadedModel, check_memory, estimate_pair_bytes, load_model, log
 
 
 class IncompatibleDraftError(ValueError):
@@ -76,7 +77,8 @@ def prepare_draft_model(draft: LoadedModel, spec: EngineSpec, target: LoadedMode
             model = quantize_dynamic(model.float(), {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8)
     elif spec.draft_quant != "none":
         raise ValueError(f"--draft-quant must be int8 or none, got {spec.draft_quant!r}")
-    return lambda: DraftModelDrafter(model, draft.device, keep_ids, full_vocab)
+    min_feed = fastest_min_feed(model, draft.device)
+    return lambda: DraftModelDrafter(model, draft.device, keep_ids, full_vocab, min_feed)
 
 
 def build_engine(spec: EngineSpec) -> tuple[SpeculativeEngine, LoadedModel]:
@@ -87,6 +89,9 @@ def build_engine(spec: EngineSpec) -> tuple[SpeculativeEngine, LoadedModel]:
     names = [spec.target] + ([spec.draft] if uses_draft_model else [])
     check_memory(estimate_pair_bytes(names, dtype), torch.device(spec.device))
     target = load_model(spec.target, dtype, spec.device)
+    target.min_feed = fastest_min_feed(target.model, target.device)
+    if target.min_feed > 1:
+        log(f"{target.name}: one-token steps are fed as two (a one-row matmul is slower here)")
     factory: Callable[[], Drafter] | None = None
     if spec.draft == "ngram":
         factory = NGramDrafter

@@ -40,9 +40,9 @@ def _sync(device: torch.device) -> None:
 
 @torch.inference_mode()
 def forward_seconds(model: torch.nn.Module, device: torch.device, n_tokens: int, context: int = 64,
-                    repeats: int = 5) -> float:
-    """Median seconds of one forward that feeds n_tokens on top of a cached context."""
-    cache = PrefixCache(model, device)
+                    repeats: int = 5, min_feed: int = 1) -> float:
+    """Median seconds of one forward that feeds n_tokens on top of a cached context, as the engine feeds it."""
+    cache = PrefixCache(model, device, min_feed)
     vocab = model.config.vocab_size
     ids = [(1000 + i) % vocab for i in range(context)]  # any ids do: cost does not depend on them
     cache.extend(ids)
@@ -72,11 +72,13 @@ def main(args: argparse.Namespace) -> int:
     engine.auto_off = False  # measure every K as it is, even where it loses
     device = target.device
     t_start = time.perf_counter()
-    verify = {n: forward_seconds(target.model, device, n, repeats=args.repeats) for n in range(1, 17)}
+    verify = {n: forward_seconds(target.model, device, n, repeats=args.repeats, min_feed=target.min_feed)
+              for n in range(1, 17)}
     a, b = fit_line(list(verify), list(verify.values()))
     drafter = engine.drafter_factory()
     draft_model = getattr(drafter, "model", None)
-    draft_s = forward_seconds(draft_model, device, 1, repeats=args.repeats) if draft_model is not None else 0.0
+    draft_s = (forward_seconds(draft_model, device, 1, repeats=args.repeats, min_feed=drafter.cache.min_feed)
+               if draft_model is not None else 0.0)
     c = draft_s / verify[1]
     print(f"target forward: {verify[1] * 1000:.1f} ms (1 token) … {verify[16] * 1000:.1f} ms (16); "
           f"draft {draft_s * 1000:.1f} ms; c = {c:.3f}", file=sys.stderr)

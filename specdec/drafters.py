@@ -54,10 +54,10 @@ class DraftModelDrafter:
     """
 
     def __init__(self, model: torch.nn.Module, device: torch.device, keep_ids: torch.Tensor | None = None,
-                 full_vocab: int = 0) -> None:
+                 full_vocab: int = 0, min_feed: int = 1) -> None:
         self.name = "draft-model"
         self.model = model
-        self.cache = PrefixCache(model, device)
+        self.cache = PrefixCache(model, device, min_feed)
         self.keep_ids = keep_ids
         self.full_vocab = full_vocab
 

@@ -52,7 +52,7 @@ class EngineSession:
 
     def __init__(self, engine: SpeculativeEngine) -> None:
         self.engine = engine
-        self.target = PrefixCache(engine.target.model, engine.target.device)
+        self.target = PrefixCache(engine.target.model, engine.target.device, engine.target.min_feed)
         self.drafter = engine.drafter_factory() if engine.drafter_factory else None
 
     @property

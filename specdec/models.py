@@ -68,6 +68,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     device: torch.device
     dtype: torch.dtype
+    min_feed: int = 1  # tokens per forward at least (see kv.fastest_min_feed); build_engine measures it
 
     @property
     def max_context(self) -> int:
@@ -79,7 +80,7 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def _log(msg: str) -> None:
+def log(msg: str) -> None:
     print(f"[specvoice] {msg}", file=sys.stderr, flush=True)
 
 
@@ -166,7 +167,7 @@ def _join_parts(preset: Preset, dest: Path) -> Path:
     tmp = target.with_suffix(".partial")
     with open(tmp, "wb") as out:
         for i, p in enumerate(paths, 1):
-            _log(f"{preset.name}: joining GGUF part {i}/{len(paths)}")
+            log(f"{preset.name}: joining GGUF part {i}/{len(paths)}")
             with open(p, "rb") as f:
                 while chunk := f.read(1 << 24):
                     out.write(chunk)
@@ -196,7 +197,7 @@ def offline_dir(preset: Preset) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = _join_parts(preset, cache_dir() / "gguf") if preset.part_packages else _single_gguf(preset)
-    _log(f"{preset.name}: dequantizing {gguf.name} once (about 90 s on a 2-core CPU) …")
+    log(f"{preset.name}: dequantizing {gguf.name} once (about 90 s on a 2-core CPU) …")
     t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16)
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
@@ -215,7 +216,7 @@ def offline_dir(preset: Preset) -> Path:
     tmp.rename(out)
     if preset.part_packages:
         gguf.unlink()  # the joined copy is only needed for dequantizing
-    _log(f"{preset.name}: cached as safetensors in {out} ({time.perf_counter() - t0:.0f} s)")
+    log(f"{preset.name}: cached as safetensors in {out} ({time.perf_counter() - t0:.0f} s)")
     return out
 
 
@@ -249,7 +250,7 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.bfloat16, device: s
 
     config = AutoConfig.from_pretrained(source)
     check_memory([(name_or_path, estimate_bytes(config, dtype))], dev)
-    _log(f"loading {name_or_path} ({dtype}, {dev}) …")
+    log(f"loading {name_or_path} ({dtype}, {dev}) …")
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype).to(dev).eval()
     tok = AutoTokenizer.from_pretrained(source)
     return LoadedModel(name_or_path, model, HFTokenizer(tok), dev, dtype)

@@ -99,6 +99,21 @@ def test_spoken_turn_is_answered_heard_and_measured(page):
     page.screenshot(path=SCREENSHOT, full_page=True)
 
 
+def test_ab_replays_the_spoken_utterance_through_vad_and_asr(page):
+    page.click("#handsfree")
+    page.wait_for_function("Object.values(specvoice.turns).some(t => t.kind === 'voice' && t.data)", timeout=45_000)
+    page.click("#handsfree")
+    page.fill("#ab-repeats", "1")
+    page.click("#ab-run")  # no text: the last utterance, which was spoken
+    page.wait_for_selector("#ab-results .sv-ab-diff", timeout=60_000)
+    result = page.evaluate("Object.values(specvoice.ab)[0]")
+    assert result["spoken"] and "spoken, replayed" in page.inner_text("#ab-results")
+    for run in (result["pairs"][0]["off"], result["pairs"][0]["on"]):
+        assert "capital" in run["transcript"].lower()  # heard again by the ASR, not copied
+        assert run["stages"]["end_of_turn_wait"] > 0 and run["stages"]["asr"] >= 0
+        assert abs(sum(run["stages"].values()) - run["ttfa_ms"]) < 1
+
+
 def test_push_to_talk(page):
     box = page.locator("#ptt").bounding_box()
     page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)

@@ -1,5 +1,6 @@
 """The engine on tiny random fp32 models: lossless output, cache rollback, K policy, fallbacks, errors."""
 
+import dataclasses
 import threading
 
 import pytest
@@ -9,7 +10,7 @@ from specdec.build import EngineSpec, IncompatibleDraftError, build_engine, chec
 from specdec.drafters import DraftModelDrafter, NGramDrafter
 from specdec.engine import GenerationConfig, PromptError, SpeculativeEngine, collect
 from specdec.kpolicy import AdaptiveK, SpeculationGovernor
-from specdec.kv import PrefixCache
+from specdec.kv import PrefixCache, fastest_min_feed
 from specdec.metrics import SpecStats
 from specdec.models import ModelLoadError, check_memory, load_model
 from specdec.sampling import SamplingParams, logits_to_probs
@@ -136,6 +137,36 @@ def test_cache_rollback_matches_fresh_forward(tiny):
     got = cache.extend(ids + [50, 77])[-1]
     fresh = target.model(torch.tensor([ids + [50, 77]])).logits[0, -1]
     assert torch.allclose(got, fresh, atol=1e-4)
+
+
+@torch.inference_mode()
+def test_padded_single_token_feed_gives_the_unpadded_logits(tiny):
+    target, _ = tiny
+    plain, padded = PrefixCache(target.model, target.device), PrefixCache(target.model, target.device, min_feed=2)
+    ids = list(range(10, 30))
+    for cache in (plain, padded):
+        cache.extend(ids)
+    for extra in ([40], [40, 41], [40, 41, 42]):  # one new token is padded, more are fed as they are
+        want, got = plain.extend(ids + extra, n_logits=len(extra)), padded.extend(ids + extra, n_logits=len(extra))
+        assert got.shape == want.shape and torch.allclose(got, want, atol=1e-4)
+        assert padded.tokens == ids + extra and padded.kv.get_seq_length() == len(ids + extra)  # the pad is gone
+    # A fully cached sequence is re-fed from its last token, padded too.
+    assert torch.allclose(padded.extend(ids + [40, 41, 42])[-1], plain.extend(ids + [40, 41, 42])[-1], atol=1e-4)
+
+
+def test_greedy_identical_with_padded_feeds(tiny):
+    target, draft = tiny
+    ids = target.tokenizer.chat_ids([{"role": "user", "content": "tell me a story about a cat"}])
+    want = target_only(target, ids, 40)
+    padded_target = dataclasses.replace(target, min_feed=2)
+    for factory in (draft_factory(draft), lambda: DraftModelDrafter(draft.model, draft.device, min_feed=2)):
+        assert collect(make_engine(padded_target, factory).stream(ids, GenerationConfig(40)))[0] == want
+    assert target_only(padded_target, ids, 40) == want
+
+
+def test_fastest_min_feed_picks_a_width(tiny):
+    target, _ = tiny
+    assert fastest_min_feed(target.model, target.device, trials=1) in (1, 2)
 
 
 def test_adaptive_k_moves_with_acceptance():

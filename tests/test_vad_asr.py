@@ -1,13 +1,15 @@
 import importlib.util
+import json
 import re
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 from speech import needs_espeak, speak
 
 from pipeline.asr import StreamingTranscriber, Transcriber, cache_dir
-from pipeline.audio import SAMPLE_RATE
+from pipeline.audio import SAMPLE_RATE, load_audio, to_mono_16k
 from pipeline.vad import FRAME_S, EndOfTurnDetector, find_speech_end
 
 LEAD_S, TAIL_S = 0.5, 1.0
@@ -106,6 +108,16 @@ def test_transcribe(utterance, transcriber):
     text = transcriber.transcribe(utterance)
     assert {"capital", "france"} <= set(words(text)), text
     assert transcriber.transcribe(np.zeros(0, np.float32)) == ""
+
+
+def test_benchmark_utterances_are_heard_as_written(transcriber):
+    """bench-voice and say replay assets/utterances: a misheard question would benchmark a different dialogue."""
+    folder = Path(__file__).resolve().parents[1] / "assets" / "utterances"
+    expected = json.loads((folder / "transcripts.json").read_text())
+    assert sorted(expected) == sorted(p.stem for p in folder.glob("*.wav"))
+    for name, text in expected.items():
+        heard = transcriber.transcribe(to_mono_16k(*load_audio(folder / f"{name}.wav")))
+        assert re.findall(r"[a-z0-9']+", heard.lower()) == re.findall(r"[a-z0-9']+", text.lower()), (name, heard)
 
 
 @needs_espeak

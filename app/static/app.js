@@ -296,7 +296,7 @@
         note(m.message, 'info');
         break;
       case 'ab_start':
-        S.ab[m.ab] = { text: m.text, repeats: m.repeats, done: 0, pairs: [], summary: null };
+        S.ab[m.ab] = { text: m.text, spoken: m.spoken, repeats: m.repeats, done: 0, pairs: [], summary: null };
         S.abOrder.push(m.ab);
         break;
       case 'ab_progress':
@@ -512,7 +512,7 @@
     const parts = S.abOrder.slice().reverse().map((ab) => {
       const r = S.ab[ab];
       const s = r.summary;
-      let head = `<div class="sv-ab-head"><b>A/B ${ab}</b> “${esc(r.text)}” — `;
+      let head = `<div class="sv-ab-head"><b>A/B ${ab}</b> ${r.spoken ? 'spoken, replayed' : 'typed'} “${esc(r.text)}” — `;
       if (!r.finished) head += `running, ${r.done}/${r.repeats} pairs…`;
       else if (s && s.n) {
         const ci = s.ci95_ms;
