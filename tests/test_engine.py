@@ -99,8 +99,10 @@ def _first_two_token_freqs(engine, ids, params, n):
 
 
 @torch.inference_mode()
-def test_sampling_output_distribution_equals_target(tiny):
-    """First and second emitted tokens under speculative sampling follow the target's exact distributions."""
+@pytest.mark.parametrize("gated", [False, True])
+def test_sampling_output_distribution_equals_target(tiny, gated):
+    """First and second emitted tokens under speculative sampling follow the target's exact distributions,
+    also when the draft's confidence gate shortens some proposals."""
     from specdec.models import build_tiny_random
 
     target, _ = tiny
@@ -108,7 +110,12 @@ def test_sampling_output_distribution_equals_target(tiny):
     draft_model = build_tiny_random(7, noise=0.3)
     params = SamplingParams(temperature=1.5, top_p=0.95)
     ids = target.tokenizer.chat_ids([{"role": "user", "content": "hi"}])
-    engine = make_engine(target, lambda: DraftModelDrafter(draft_model, target.device), "2")
+    # Gated: the first draft always passes; the second only where the draft is at least as sure.
+    gate = 0.999 * float(logits_to_probs(draft_model(torch.tensor([ids])).logits[0, -1], params).max()) if gated else 0
+    engine = make_engine(target, lambda: DraftModelDrafter(draft_model, target.device, min_prob=gate), "2")
+    if gated:  # teeth: the gate cuts some proposals short and lets others through whole
+        ks = {collect(engine.stream(ids, GenerationConfig(3, params, seed=s)))[1][0].k for s in range(40)}
+        assert ks == {1, 2}, ks
     n = 1500
     freq1, pairs = _first_two_token_freqs(engine, ids, params, n)
     p1 = logits_to_probs(target.model(torch.tensor([ids])).logits[0, -1], params)
@@ -152,6 +159,21 @@ def test_padded_single_token_feed_gives_the_unpadded_logits(tiny):
         assert padded.tokens == ids + extra and padded.kv.get_seq_length() == len(ids + extra)  # the pad is gone
     # A fully cached sequence is re-fed from its last token, padded too.
     assert torch.allclose(padded.extend(ids + [40, 41, 42])[-1], plain.extend(ids + [40, 41, 42])[-1], atol=1e-4)
+
+
+def test_greedy_identical_with_confidence_gate(tiny):
+    target, draft = tiny
+    ids = target.tokenizer.chat_ids([{"role": "user", "content": "tell me a story about a cat"}])
+    with torch.inference_mode():  # a gate at the draft's median confidence along the answer: it must bite sometimes
+        answer = target_only(target, ids, 40)
+        conf = torch.softmax(draft.model(torch.tensor([ids + answer])).logits[0, len(ids) - 1:-1], -1).amax(-1)
+    gate = float(conf.median())
+    engine = make_engine(target, lambda: DraftModelDrafter(draft.model, draft.device, min_prob=gate), "4")
+    spec, events = collect(engine.stream(ids, GenerationConfig(40)))
+    assert spec == answer
+    before = [sum(len(e.tokens) for e in events[:i]) for i in range(len(events))]
+    early = [ev.k for ev, n in zip(events, before) if n < 30]  # later, the token budget also caps K
+    assert min(early) < 4 and max(early) == 4
 
 
 def test_greedy_identical_with_padded_feeds(tiny):
