@@ -16,7 +16,7 @@ from .bench import read_prompts, run_engine
 from .build import add_engine_arguments, build_engine, spec_from_args
 from .engine import GenerationConfig
 from .kpolicy import FixedK
-from .kv import PrefixCache
+from .kv import PrefixCache, sync
 from .metrics import DEFINITIONS, SpecStats, expected_tokens_per_step
 
 DEFAULT_PROMPTS = ["What is the capital of Australia?", "How do I reverse a list in Python?",
@@ -33,11 +33,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default="calibration.json")
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @torch.inference_mode()
 def forward_seconds(model: torch.nn.Module, device: torch.device, n_tokens: int, context: int = 64,
                     repeats: int = 5, min_feed: int = 1) -> float:
@@ -48,10 +43,10 @@ def forward_seconds(model: torch.nn.Module, device: torch.device, n_tokens: int,
     cache.extend(ids)
     times = []
     for r in range(repeats + 1):
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         cache.extend(ids + [(2000 + r + i) % vocab for i in range(n_tokens)], n_logits=n_tokens)
-        _sync(device)
+        sync(device)
         times.append(time.perf_counter() - t0)
         cache.rollback(context)
     return statistics.median(times[1:])  # the first run pays one-off kernel selection

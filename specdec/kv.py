@@ -66,6 +66,12 @@ class PrefixCache:
         return logits[:len(logits) - pad]
 
 
+def sync(device: torch.device) -> None:
+    """Wait for queued GPU work, so that a clock read after it times the work (a no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 @torch.inference_mode()
 def fastest_min_feed(model: torch.nn.Module, device: torch.device, trials: int = 3) -> int:
     """1 or 2: which of a one-token and a padded two-token decode step is faster for this model here, timed
@@ -78,8 +84,10 @@ def fastest_min_feed(model: torch.nn.Module, device: torch.device, trials: int =
     for i in range(2 * trials + 2):
         width = 1 + i % 2
         cache.min_feed = width
+        sync(device)
         t0 = time.perf_counter()
         cache.extend(prefix + [116])
+        sync(device)
         if i >= 2:  # the first of each width warms its kernels
             times[width].append(time.perf_counter() - t0)
         cache.rollback(len(prefix))
