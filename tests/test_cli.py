@@ -53,6 +53,17 @@ def test_bench_side_by_side_json(tmp_path):
     assert set(s["per_category"]) == {"a", "b"}
 
 
+def test_calibrate_fits_and_compares_every_k(tmp_path):
+    out = tmp_path / "cal.json"
+    specvoice("calibrate", *TINY, "--k-values", "1,3", "--repeats", "1", "--max-new-tokens", "8", "--json", str(out))
+    data = json.loads(out.read_text())
+    assert list(data["target_forward_s_by_tokens"]) == [str(n) for n in range(1, 17)]
+    assert data["verify_fit"]["intercept_s"] > 0 and data["draft_cost_ratio"] > 0
+    assert [row["k"] for row in data["per_k"]] == [1, 3]
+    for row in data["per_k"]:
+        assert row["predicted_speedup"] > 0 and row["measured_speedup"] > 0
+
+
 def test_bench_rejects_bad_prompt_file(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text("not json\n")
