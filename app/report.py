@@ -27,7 +27,7 @@ STAGE_COLORS = ("#bbbbbb", "#8da0cb", "#66c2a5", "#fc8d62", "#e78ac3")
 
 CSV_COLUMNS = (
     "turn", "kind", "ab", "ab_repeat", "speculation", "ttfa_ms", "ttfa_heard_ms", "heard_delay_ms",
-    *STAGES, "first_chunk_tokens", "tokens", "tokens_per_s", "draft_acceptance_rate", "mean_accepted_per_step",
+    *STAGES, "first_chunk_tokens", "tokens", "tokens_per_s", "draft_acceptance_rate", "tokens_per_target_forward",
     "rejected_draft_tokens", "wasted_tokens", "cancelled", "audio_seconds", "drafter", "k", "temperature",
     "heard_method", "started_at", "transcript", "answer",
 )
@@ -254,7 +254,7 @@ def render_html(turns: Sequence[dict], meta: dict | None = None) -> str:
         f"<td>{_fmt(t.get('ttfa_ms'))}</td><td>{_fmt(t.get('ttfa_heard_ms'))}</td><td>{_fmt(t.get('heard_delay_ms'))}"
         "</td>" + "".join(f"<td>{_fmt((t.get('stages') or {}).get(s))}</td>" for s in STAGES)
         + f"<td>{_fmt(t.get('tokens_per_s'), 1)}</td><td>{_fmt(t.get('draft_acceptance_rate'), pct=True)}</td>"
-        f"<td>{_fmt(t.get('mean_accepted_per_step'), 2)}</td><td class='text'>{_clip(t.get('transcript'))}</td>"
+        f"<td>{_fmt(t.get('tokens_per_target_forward'), 2)}</td><td class='text'>{_clip(t.get('transcript'))}</td>"
         f"<td class='text'>{_clip(t.get('answer'))}</td></tr>"
         for t in turns)
     parts.append(f"<h2>Turns</h2><p>All times in ms; texts cut at 160 characters (whole in the data below).</p>"

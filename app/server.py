@@ -178,9 +178,11 @@ class AnswerSlots:
 
 
 class ModelLoader:
-    """Loads the agent on a background thread so the page is up (and says how far loading got) at once."""
+    """Loads the agent on a background thread so the page is up (and says how far loading got) at once, then warms
+    every stage: the app is ready only when its first turn is as fast as later ones."""
 
-    STEPS = ("speech recognition", "text to speech", "language models", "warm-up")
+    LOAD_STEPS = ("speech recognition", "text to speech", "language models")
+    STEPS = LOAD_STEPS + tuple(f"warm-up: {step}" for step in VoiceAgent.WARMUP_STEPS)
 
     def __init__(self, config: AgentConfig, on_change: Callable[[dict], None] = lambda status: None,
                  build: Callable[[Callable[[int], None]], VoiceAgent] | None = None) -> None:
@@ -189,15 +191,26 @@ class ModelLoader:
         self._build = build or self._build_agent
         self.agent: VoiceAgent | None = None
         self.error: str | None = None
+        self.finished = threading.Event()  # loading is over: ready, or failed
         self.step = -1
-        self.t0 = time.perf_counter()
+        self.step_s: list[tuple[str, float]] = []  # the steps done and their seconds
+        self.t0 = self._step_t0 = time.perf_counter()
         self.load_s: float | None = None
 
     def start(self) -> None:
+        self.t0 = self._step_t0 = time.perf_counter()
         threading.Thread(target=self._run, name="model-loader", daemon=True).start()
 
+    def _end_step(self) -> None:
+        now = time.perf_counter()
+        if self.step >= 0:
+            self.step_s.append((self.STEPS[self.step], now - self._step_t0))
+        self._step_t0 = now
+
     def _advance(self, step: int) -> None:
+        self._end_step()
         self.step = step
+        log.info("loading %s (%.1f s elapsed)", self.stage(), self._step_t0 - self.t0)
         self.on_change(self.status())
 
     def _build_agent(self, progress: Callable[[int], None]) -> VoiceAgent:
@@ -206,28 +219,33 @@ class ModelLoader:
         progress(1)
         tts = make_tts(self.config.tts)
         progress(2)
-        agent = VoiceAgent(self.config, transcriber=transcriber, tts=tts)
-        progress(3)
-        agent.warmup()
-        return agent
+        return VoiceAgent(self.config, transcriber=transcriber, tts=tts)
 
     def _run(self) -> None:
         try:
-            self.agent = self._build(self._advance)
+            agent = self._build(self._advance)
+            agent.warmup(lambda step: self._advance(len(self.LOAD_STEPS) + step))
+            self.agent = agent
         except Exception as e:  # shown on the page; the server stays up to say so
             log.exception("loading the models failed")
             self.error = f"{type(e).__name__}: {e}"
+        self._end_step()
         self.load_s = time.perf_counter() - self.t0
+        if self.agent is not None:
+            log.info("models loaded and warmed up in %.1f s: ready", self.load_s)
+        self.finished.set()
         self.on_change(self.status())
 
     @property
     def ready(self) -> bool:
         return self.agent is not None
 
-    def not_ready_message(self) -> str:
-        if self.error:
-            return f"The models failed to load ({self.error}); restart the app."
-        return f"Models are still loading ({self.stage()}); your turn was not answered. Try again when ready."
+    @property
+    def loading(self) -> bool:
+        return not self.finished.is_set()
+
+    def failed_message(self) -> str:
+        return f"The models failed to load ({self.error}); nothing can be answered. Restart the app."
 
     def stage(self) -> str:
         if self.step < 0:
@@ -236,8 +254,8 @@ class ModelLoader:
 
     def status(self) -> dict:
         status = {"type": "status", "ready": self.ready, "error": self.error, "stage": self.stage(),
-                  "step": self.step, "steps": len(self.STEPS), "elapsed_s": time.perf_counter() - self.t0,
-                  "load_s": self.load_s}
+                  "step": self.step, "steps": len(self.STEPS), "step_s": list(self.step_s),
+                  "elapsed_s": time.perf_counter() - self.t0, "load_s": self.load_s}
         if self.agent is not None:
             status.update(drafters=available_drafters(self.agent), k=self.config.engine.k,
                           temperature=self.config.temperature, engine=self.describe())
@@ -296,6 +314,9 @@ class MicInput:
     Hands-free: a light VAD gate watches the stream; only once it hears speech does a TurnListener (with a second
     of pre-roll) start, because its streaming ASR re-transcribes its whole buffer every half second, silence
     included. Push-to-talk: pressing starts a listener whose VAD never ends the turn; releasing ends it.
+
+    While the models load, the thread waits and the queue keeps what is said (about 30 s), so a question spoken
+    meanwhile is heard, with its real timestamps, and answered once they are ready.
     """
 
     PREROLL_S = 1.0
@@ -311,22 +332,31 @@ class MicInput:
         self.fed: list[np.ndarray] = []  # this turn's audio as the listener got it, for A/B replays
         self.partial = ""
         self.last_partial_t = 0.0
+        self.dropping = False
+        self.released = threading.Event()  # set when loading is over (or the tab closed): the thread may go on
         self.thread = threading.Thread(target=self._run, name="mic", daemon=True)
         self.thread.start()
 
     def put(self, item: tuple | None) -> None:
         try:
             self.queue.put_nowait(item)
-        except queue.Full:  # the thread is stuck (ASR on an overloaded machine): drop audio, never the socket
-            log.warning("mic queue full; dropping a frame")
+            self.dropping = False
+        except queue.Full:
+            # The thread is stuck (ASR on an overloaded machine) or waits for the models: drop audio, never the
+            # socket, and say so once rather than for each of ~30 frames a second.
+            if not self.dropping:
+                log.warning("mic queue full; dropping frames")
+            self.dropping = True
 
     def close(self) -> None:
+        self.released.set()
         with contextlib.suppress(queue.Full):
             self.queue.put_nowait(None)
 
     def _run(self) -> None:
         try:
-            while (item := self.queue.get()) is not None:
+            self.released.wait()
+            while not self.session.closed and (item := self.queue.get()) is not None:
                 if item[0] == "audio":
                     self._audio(item[1], item[2])
                 else:
@@ -347,8 +377,8 @@ class MicInput:
 
     def _control(self, active: bool, mode: str) -> None:
         agent = self.session.server.loader.agent
-        if active and agent is None:
-            self.session.send({"type": "error", "message": self.session.server.loader.not_ready_message()})
+        if active and agent is None:  # the thread runs once loading is over: this means it failed
+            self.session.send({"type": "error", "message": self.session.server.loader.failed_message()})
             return
         if not active:
             if self.mode == "ptt" and self.listener is not None:
@@ -460,6 +490,7 @@ class ClientSession:
         self._lock = threading.Lock()
         self._worker: threading.Thread | None = None
         self._cancel = threading.Event()
+        self._queued: Callable[[threading.Event], None] | None = None  # the turn asked for while the models load
         self.playing_until = 0.0  # perf_counter time the browser should finish playing what it was sent
         self.mic = MicInput(self)
 
@@ -562,6 +593,9 @@ class ClientSession:
         mode = m.get("mode", "handsfree")
         if mode not in ("handsfree", "ptt"):
             raise ValueError(f"unknown mic mode {mode!r}")
+        if m.get("active") and self.server.loader.loading:
+            self.send({"type": "info", "message": "The models are still loading: what you say now is kept and "
+                       "answered when they are ready."})
         self.mic.put(("control", bool(m.get("active")), mode))
 
     def _ab(self, m: dict, received: float) -> None:
@@ -638,9 +672,18 @@ class ClientSession:
         self._start_worker(lambda cancel: self._turn_job(text, timeline, kind, cancel))
 
     def _start_worker(self, job: Callable[[threading.Event], None]) -> None:
-        """Run job on a new thread after the previous answer of this tab was cancelled and has finished."""
-        if not self.server.loader.ready:
-            self.send({"type": "error", "message": self.server.loader.not_ready_message()})
+        """Run job on a new thread after the previous answer of this tab was cancelled and has finished; while the
+        models load, keep it for loading_finished (the newest only: a new turn interrupts the one before)."""
+        loader = self.server.loader
+        with self._lock:  # against loading_finished taking the queued job between the check and the store
+            if loader.loading:
+                replaced, self._queued = self._queued is not None, job
+                self.send({"type": "info", "message": f"Queued: the models are still loading ({loader.stage()}); "
+                           "this will be answered when they are ready"
+                           + ("; it replaces what was queued before." if replaced else ".")})
+                return
+        if not loader.ready:
+            self.send({"type": "error", "message": loader.failed_message()})
             return
         with self._lock:
             self.interrupt("new turn")
@@ -655,6 +698,15 @@ class ClientSession:
 
             self._worker = threading.Thread(target=run, name="answer", daemon=True)
             self._worker.start()
+
+    def loading_finished(self) -> None:
+        """The models are ready or failed to load: hear what was said and answer what was typed meanwhile (or say
+        why not). Called once loading is over, maybe twice (AppServer's broadcast and a tab that just connected)."""
+        with self._lock:
+            job, self._queued = self._queued, None
+        self.mic.released.set()
+        if job is not None:
+            self._start_worker(job)
 
     def _conversation(self) -> Conversation:
         if self.conv is None:
@@ -783,6 +835,7 @@ def controls_html(max_text_chars: int, max_ab_repeats: int) -> str:
 <div class="sv-card" id="sv-status-card">
   <div id="model-status" class="sv-status">Connecting…</div>
   <progress id="model-progress" max="1" value="0"></progress>
+  <div id="model-steps" class="sv-def"></div>
   <div id="sv-messages" role="status" aria-live="polite"></div>
 </div>
 <div class="sv-card">
@@ -844,8 +897,8 @@ def panels_html() -> str:
     <div class="sv-value"><span id="tokens-per-s">–</span></div>{_definition("tokens_per_s")}</div>
   <div class="sv-metric"><div class="sv-label">draft acceptance rate</div>
     <div class="sv-value"><span id="acceptance-rate">–</span></div>{_definition("draft_acceptance_rate")}</div>
-  <div class="sv-metric"><div class="sv-label">mean accepted per step</div>
-    <div class="sv-value"><span id="mean-accepted">–</span></div>{_definition("mean_accepted_per_step")}</div>
+  <div class="sv-metric"><div class="sv-label">tokens per target forward</div>
+    <div class="sv-value"><span id="tokens-per-forward">–</span></div>{_definition("tokens_per_target_forward")}</div>
 </div>
 <div class="sv-card"><h3>Where the TTFA went <small id="waterfall-mode"></small></h3>
   <div id="waterfall"></div><div class="sv-legend">{legend}</div></div>
@@ -891,11 +944,13 @@ class AppServer:
         self.slots = AnswerSlots(self.options.max_concurrent_answers)
         self.sessions: dict[str, ClientSession] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.loader = ModelLoader(config, self._broadcast, build)
+        self.loader = ModelLoader(config, self._loading_changed, build)
 
-    def _broadcast(self, status: dict) -> None:
+    def _loading_changed(self, status: dict) -> None:
         for session in list(self.sessions.values()):
             session.send(status)
+            if not self.loader.loading:
+                session.loading_finished()
 
     async def websocket(self, ws: WebSocket) -> None:
         if not origin_allowed(ws.headers.get("origin"), ws.headers.get("host"), self.options.host,
@@ -905,6 +960,8 @@ class AppServer:
         await ws.accept()
         session = ClientSession(self, asyncio.get_running_loop())
         self.sessions[session.token] = session
+        if not self.loader.loading:  # else _loading_changed will, for this session is listed already
+            session.loading_finished()
         tasks = [asyncio.create_task(session.pump(ws)), asyncio.create_task(session.pinger())]
         session.send({"type": "hello", "token": session.token, "export": f"{EXPORT_PATH}/{session.token}",
                       "colors": {"off": report.MODE_COLORS[False], "on": report.MODE_COLORS[True]},
@@ -993,8 +1050,8 @@ def main(args: argparse.Namespace) -> int:
     options = ServerOptions(args.host, args.port, limit, args.max_turn_s)
     server = AppServer(agent_config_from_args(args), options)
     app = server.build_app()
-    server.loader.start()
     log.info("loading models in the background; open http://%s:%d", _url_host(args.host), args.port)
+    server.loader.start()
     uvicorn.Server(server.uvicorn_config(app)).run()
     return 0
 

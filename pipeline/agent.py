@@ -64,7 +64,7 @@ class TurnResult:
             "first_chunk_tokens": self.timeline.first_chunk_tokens, "tokens": self.stats.tokens,
             "tokens_per_s": self.stats.tokens_per_s,
             "draft_acceptance_rate": spec.draft_acceptance_rate if spec.proposed else None,
-            "mean_accepted_per_step": spec.mean_accepted_per_step if spec.steps else None,
+            "tokens_per_target_forward": spec.tokens_per_target_forward if spec.speculative_steps else None,
             "rejected_draft_tokens": spec.proposed - spec.accepted, "wasted_tokens": self.wasted_tokens,
             "cancelled": self.cancelled, "notes": self.stats.notes,
             "audio_seconds": sum(len(a) for a in self.audio) / self.sample_rate,
@@ -121,6 +121,9 @@ class Conversation:
 
 
 class VoiceAgent:
+    WARMUP_STEPS = ("voice activity detection", "speech recognition", "text to speech", "LLM, speculation off",
+                    "LLM, speculation on")
+
     def __init__(self, config: AgentConfig, llm: LLMStage | None = None, transcriber: Transcriber | None = None,
                  tts: TTS | None = None) -> None:
         self.config = config
@@ -158,12 +161,18 @@ class VoiceAgent:
         if session is not None:
             session.rollback(len(self.shared_prefix))
 
-    def warmup(self) -> None:
-        """Pay first-call costs (TTS lexicons, ASR buffers, kernels for both modes) before anyone waits."""
-        self.tts.warmup()
+    def warmup(self, progress: Callable[[int], None] = lambda step: None) -> None:
+        """Pay every stage's first-call costs (the VAD's native library and model, ASR buffers, TTS lexicons,
+        kernels for both LLM modes) before anyone waits; progress(i) as WARMUP_STEPS[i] starts."""
+        progress(0)
+        EndOfTurnDetector(hangover_ms=self.config.hangover_ms).feed(np.zeros(SAMPLE_RATE, np.float32), 0.0)
+        progress(1)
         self.transcriber.warmup()
+        progress(2)
+        self.tts.warmup()
         conv = self.new_conversation()
-        for speculation in (False, True):
+        for step, speculation in enumerate((False, True), start=3):
+            progress(step)
             self.respond(conv, "Say hi.", Timeline(), speculation, remember=False)
 
     def messages(self, conv: Conversation, user_text: str) -> list[dict[str, str]]:

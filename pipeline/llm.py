@@ -37,16 +37,26 @@ class ReplyStats:
     """Facts about one reply, filled while it streams."""
 
     tokens: int = 0
+    first_step_tokens: int = 0  # tokens that arrived with the first one (several, with speculation)
     first_token_t: float | None = None
     last_token_t: float | None = None
     spec: SpecStats = field(default_factory=SpecStats)
     notes: list[str] = field(default_factory=list)
 
+    def add(self, tokens: int, t: float) -> None:
+        """Tokens that arrived together at time t."""
+        if self.first_token_t is None:
+            self.first_token_t, self.first_step_tokens = t, tokens
+        self.last_token_t = t
+        self.tokens += tokens
+
     @property
     def tokens_per_s(self) -> float:
-        if self.tokens < 2 or self.first_token_t is None or self.last_token_t is None:
+        """metrics.DEFINITIONS["tokens_per_s"], voice turn: the decode rate after the first step."""
+        later = self.tokens - self.first_step_tokens
+        if later < 1 or self.last_token_t is None or self.first_token_t is None:
             return 0.0
-        return (self.tokens - 1) / max(self.last_token_t - self.first_token_t, 1e-9)
+        return later / max(self.last_token_t - self.first_token_t, 1e-9)
 
 
 class LLMStage(Protocol):
@@ -122,10 +132,8 @@ class EngineLLM:
             now = time.perf_counter()
             if ev.note:
                 stats.notes.append(ev.note)
-            if stats.first_token_t is None:
-                stats.first_token_t = now
-            stats.last_token_t = now
-            stats.tokens += len(ev.tokens)
+            stats.add(len(ev.tokens), now)
             pieces = [(decoder.push([t]), d) for t, d in zip(ev.tokens, ev.from_draft) if t not in eos]
             text = "".join(p for p, _ in pieces)
-            yield LLMDelta(text, len(ev.tokens), ev.from_draft, ev.k, ev.n_accepted, now, ev.finish_reason, pieces)
+            yield LLMDelta(text, len(ev.tokens), ev.from_draft, ev.k_drafted, ev.n_accepted, now, ev.finish_reason,
+                           pieces)

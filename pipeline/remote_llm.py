@@ -119,17 +119,11 @@ def add_spec_delta(spec: SpecStats, d: SpecCounters) -> None:
     else:  # no per-position counters: estimate from the rate under independent acceptance
         alpha = alpha_from_acceptance_rate(accepted / proposed if proposed else 0.0, k)
         rejections = round(accepted * (1 - alpha) / alpha) if alpha > 0 else drafts
-    spec.steps += drafts
-    spec.proposed += proposed
-    spec.accepted += accepted
-    spec.emitted += drafts + accepted
-    spec.rejections += rejections
-    while len(spec.per_position_proposed) < k:
-        spec.per_position_proposed.append(0)
-        spec.per_position_accepted.append(0)
-    for i in range(k):
-        spec.per_position_proposed[i] += drafts  # vLLM's per-position rate divides by the number of drafts
-        spec.per_position_accepted[i] += per_pos[i]
+    # The server's counters, as the in-process engine would have recorded them (a draft is a speculative step).
+    spec.merge(SpecStats(target_forwards=drafts, speculative_steps=drafts, proposed=proposed, accepted=accepted,
+                         emitted=drafts + accepted, rejections=rejections,
+                         per_position_proposed=[drafts] * k,  # vLLM's per-position rate divides by the drafts
+                         per_position_accepted=per_pos))
 
 
 def sse_data(lines: Iterable[bytes]) -> Iterator[str]:
@@ -311,10 +305,7 @@ class OpenAICompatibleLLM:
                     now = time.perf_counter()
                     n = 1 if text else 0  # without per-chunk counts each content chunk counts as a token
                     if text:
-                        if stats.first_token_t is None:
-                            stats.first_token_t = now
-                        stats.last_token_t = now
-                        stats.tokens += 1
+                        stats.add(1, now)
                         chunk_tokens += 1
                     yield LLMDelta(text, n, [], 0, 0, now, finish)
         except (OSError, http.client.HTTPException) as e:

@@ -125,9 +125,7 @@ def main(args: argparse.Namespace) -> int:
         base, base_s = _timed(run_engine, engine, prompt, base_cfg)
         stats = SpecStats()
         spec_tokens, spec_s = _timed(run_engine, engine, prompt, spec_cfg, stats)
-        for name in ("proposed", "accepted", "steps", "emitted", "rejections", "draft_seconds",
-                     "draft_forwards", "verify_seconds"):
-            setattr(total, name, getattr(total, name) + getattr(stats, name))
+        total.merge(stats)
         div = first_divergence(base, spec_tokens)
         entry = {
             "category": row.get("category", ""), "prompt": row["prompt"], "prompt_tokens": len(prompt),
@@ -199,7 +197,8 @@ def summarize(results: list[dict], total: SpecStats) -> dict:
         "hf_assisted_identical_fraction": (sum(r["hf_assisted"]["identical_to_baseline"] for r in results)
                                            / len(results)) if "hf_assisted" in results[0] else None,
         "draft_acceptance_rate": total.draft_acceptance_rate,
-        "mean_accepted_per_step": total.mean_accepted_per_step,
+        "tokens_per_target_forward": total.tokens_per_target_forward,
+        "per_position_acceptance": total.per_position_acceptance,
         "alpha": total.alpha,
         "mean_k": total.mean_k,
         "draft_cost_ratio": c,

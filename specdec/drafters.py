@@ -19,13 +19,19 @@ class Proposal:
 
 
 class Drafter(Protocol):
-    name: str
+    """Proposes tokens for the target to verify; verification and acceptance live in the engine."""
+
+    kind: str  # "draft-model", "ngram", …: what the app's drafter menu and the reports call it
 
     def propose(self, context: list[int], k: int, params: SamplingParams,
-                generator: torch.Generator | None) -> Proposal: ...
+                generator: torch.Generator | None) -> Proposal:
+        """Up to k tokens to follow context (fewer, even none, when the drafter has nothing worth proposing)."""
 
-    def observe(self, context: list[int], n_accepted: int) -> None:
-        """Told after verification: context now ends with the accepted drafts plus the target's token."""
+    def prefill(self, ids: list[int]) -> None:
+        """Warm any state on a prefix that every answer shares (the system prompt)."""
+
+    def rollback(self, length: int) -> None:
+        """Forget state past the first `length` tokens of the conversation."""
 
 
 def restrict_vocab(model: torch.nn.Module, keep_ids: torch.Tensor) -> int:
@@ -59,7 +65,7 @@ class DraftModelDrafter:
 
     def __init__(self, model: torch.nn.Module, device: torch.device, keep_ids: torch.Tensor | None = None,
                  full_vocab: int = 0, min_feed: int = 1, min_prob: float = 0.0) -> None:
-        self.name = "draft-model"
+        self.kind = "draft-model"
         self.model = model
         self.cache = PrefixCache(model, device, min_feed)
         self.keep_ids = keep_ids
@@ -98,9 +104,11 @@ class DraftModelDrafter:
                 forwards += 1
         return Proposal(tokens, torch.stack(probs) if probs else None, forwards)
 
-    def observe(self, context: list[int], n_accepted: int) -> None:
-        # Nothing to roll back eagerly: the next extend() crops the cache to the common prefix.
-        pass
+    def prefill(self, ids: list[int]) -> None:
+        self.cache.extend(ids)
+
+    def rollback(self, length: int) -> None:
+        self.cache.rollback(length)
 
 
 class NGramDrafter:
@@ -108,7 +116,7 @@ class NGramDrafter:
     what followed it. Costs no model forward; strong on structured or repeated text."""
 
     def __init__(self, max_ngram: int = 4, min_ngram: int = 1) -> None:
-        self.name = "ngram"
+        self.kind = "ngram"
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
 
@@ -116,7 +124,10 @@ class NGramDrafter:
                 generator: torch.Generator | None) -> Proposal:
         return Proposal(ngram_lookup(context, k, self.max_ngram, self.min_ngram), None, forwards=0)
 
-    def observe(self, context: list[int], n_accepted: int) -> None:
+    def prefill(self, ids: list[int]) -> None:
+        pass  # it reads the context it is given; nothing to keep
+
+    def rollback(self, length: int) -> None:
         pass
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -30,20 +31,26 @@ class GenerationConfig:
     k_policy: Callable[[], KPolicy] | None = None  # overrides the engine's default K policy for this answer
 
 
-@dataclass
+@dataclass(kw_only=True)
 class StepEvent:
     """One target forward pass and what it emitted."""
 
     step: int
     tokens: list[int]  # emitted this step: accepted drafts, then the target's own token
     from_draft: list[bool]  # per emitted token: True if it was an accepted draft
-    drafted: list[int]
-    n_accepted: int
-    draft_seconds: float
-    verify_seconds: float
-    k: int  # drafts proposed this step (0: a plain target step)
+    speculative: bool = False  # a drafter ran before this forward (it may have proposed nothing)
+    k_planned: int = 0  # drafts asked for (0: a plain target step)
+    drafted: list[int] = field(default_factory=list)  # drafts proposed
+    n_accepted: int = 0  # of those, accepted (counted up to the answer's end)
+    draft_forwards: int = 0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
     note: str = ""  # why speculation changed state, if it did
     finish_reason: str | None = None  # "eos", "length", "context", "cancelled" on the last event
+
+    @property
+    def k_drafted(self) -> int:
+        return len(self.drafted)
 
 
 class EngineSession:
@@ -54,10 +61,6 @@ class EngineSession:
         self.engine = engine
         self.target = PrefixCache(engine.target.model, engine.target.device, engine.target.min_feed)
         self.drafter = engine.drafter_factory() if engine.drafter_factory else None
-
-    @property
-    def _draft_cache(self) -> PrefixCache | None:
-        return getattr(self.drafter, "cache", None)  # n-gram drafters keep none
 
     def use_drafter(self, kind: str) -> None:
         """Switch this conversation's drafter: "draft-model" (the engine's) or "ngram"."""
@@ -73,23 +76,44 @@ class EngineSession:
     def prefill(self, ids: list[int]) -> None:
         """Warm both caches on a prefix that every answer shares (the system prompt)."""
         self.target.extend(ids)
-        if self._draft_cache is not None:
-            self._draft_cache.extend(ids)
+        if self.drafter is not None:
+            self.drafter.prefill(ids)
 
     def rollback(self, length: int) -> None:
         self.target.rollback(length)
-        if self._draft_cache is not None:
-            self._draft_cache.rollback(length)
+        if self.drafter is not None:
+            self.drafter.rollback(length)
+
+
+@dataclass
+class _Answer:
+    """What one answer carries from step to step."""
+
+    ctx: list[int]
+    budget: int  # tokens this answer may still add, context room included
+    length_limited: bool  # the budget is max_new_tokens (else the context ran out first)
+    drafter: Drafter | None
+    policy: KPolicy
+    governor: SpeculationGovernor = field(default_factory=SpeculationGovernor)
+    produced: int = 0
 
 
 class SpeculativeEngine:
-    """Streams tokens from `target`, speculating with drafters made by `drafter_factory`."""
+    """Streams tokens from `target`, speculating with drafters made by `drafter_factory`.
+
+    Reproducibility: sampling draws come from one generator seeded by GenerationConfig.seed, in step order. The same
+    seed gives the same answer whenever the K schedule is the same: a fixed K with auto_off False, and no
+    concurrency pause. AdaptiveK picks K from measured draft and verify times, the governor switches speculation
+    off by measured time, and the pause depends on load; each changes which positions are drafts, so with them a
+    seed can give another answer, drawn from the same target distribution. Greedy answers never depend on it.
+    """
 
     def __init__(self, target: LoadedModel, drafter_factory: Callable[[], Drafter] | None,
                  k_policy_factory: Callable[[], KPolicy], max_speculative_sequences: int = 4,
                  auto_off: bool = True) -> None:
         self.target = target
         self.drafter_factory = drafter_factory
+        self.drafter_kind = drafter_factory().kind if drafter_factory else None
         self.k_policy_factory = k_policy_factory
         self.max_speculative_sequences = max_speculative_sequences
         self.auto_off = auto_off  # let the governor switch speculation off when it measures it slower
@@ -98,7 +122,7 @@ class SpeculativeEngine:
 
     @property
     def has_draft_model(self) -> bool:
-        return self.drafter_factory is not None and self.drafter_factory is not NGramDrafter
+        return self.drafter_kind == "draft-model"
 
     def check_prompt(self, prompt_ids: list[int], max_new_tokens: int = 1) -> None:
         if max_new_tokens < 1:
@@ -113,82 +137,89 @@ class SpeculativeEngine:
     def stream(self, prompt_ids: list[int], config: GenerationConfig, cancel: threading.Event | None = None,
                stats: SpecStats | None = None, session: EngineSession | None = None) -> Iterator[StepEvent]:
         self.check_prompt(prompt_ids, config.max_new_tokens)
-        stats = stats if stats is not None else SpecStats()
         session = session or EngineSession(self)
+        room = self.target.max_context - len(prompt_ids)
+        answer = _Answer(list(prompt_ids), min(config.max_new_tokens, room), config.max_new_tokens <= room,
+                         session.drafter if config.speculate else None, (config.k_policy or self.k_policy_factory)())
+        gen = torch.Generator(device=self.target.device).manual_seed(config.seed)
+        stats = stats if stats is not None else SpecStats()
         with self._lock:
             self._active += 1
         try:
-            yield from self._loop(list(prompt_ids), config, cancel, stats, session)
+            for n in itertools.count(1):
+                if cancel is not None and cancel.is_set():  # checked before spending a forward pass
+                    yield StepEvent(step=n, tokens=[], from_draft=[], finish_reason="cancelled")
+                    return
+                event = self._step(n, answer, session.target, config.sampling, gen, stats)
+                yield event
+                if event.finish_reason:
+                    return
         finally:
             with self._lock:
                 self._active -= 1
 
-    def _loop(self, ctx: list[int], config: GenerationConfig, cancel: threading.Event | None,
-              stats: SpecStats, session: EngineSession) -> Iterator[StepEvent]:
-        target = session.target
-        drafter = session.drafter if config.speculate else None
-        policy = (config.k_policy or self.k_policy_factory)()
-        governor = SpeculationGovernor()
-        gen = torch.Generator(device=self.target.device).manual_seed(config.seed)
-        params = config.sampling
-        budget = min(config.max_new_tokens, self.target.max_context - len(ctx))
+    def _plan_k(self, answer: _Answer) -> tuple[int, str]:
+        """Drafts to ask for this step (0: a plain target step), and why speculation changed state, if it did."""
+        if answer.drafter is None:
+            return 0, ""
+        if self.auto_off and answer.governor.off_reason:
+            answer.drafter = None
+            return 0, answer.governor.off_reason
+        if self._active > self.max_speculative_sequences:
+            return 0, f"speculation paused: {self._active} sequences > limit {self.max_speculative_sequences}"
+        if self.auto_off and answer.governor.wants_probe:
+            return 0, ""  # one plain step measures what target-only costs, for the governor's comparison
+        return min(answer.policy.next_k(), answer.budget - answer.produced - 1), ""
+
+    def _step(self, n: int, answer: _Answer, target: PrefixCache, params: SamplingParams, gen: torch.Generator,
+              stats: SpecStats) -> StepEvent:
+        """One target forward: draft → verify → accept → roll back → observe."""
+        k_planned, note = self._plan_k(answer)
+        t0 = time.perf_counter()
+        proposal = None
+        if k_planned > 0:
+            try:
+                proposal = answer.drafter.propose(answer.ctx, k_planned, params, gen)
+            except Exception as e:  # a failing drafter must not cost the answer: go on with the target
+                note, answer.drafter = f"drafter failed ({type(e).__name__}: {e}); continuing target-only", None
+        t1 = time.perf_counter()
+        drafts = proposal.tokens if proposal else []
+        n_acc, nxt = self._verify(target, answer.ctx, proposal, params, gen)
+        t2 = time.perf_counter()
+        emitted, finish = self._trim(drafts[:n_acc] + [nxt], answer)
+        # Count only what the answer keeps: drafts past EOS (or the budget) were never needed.
+        n_acc_kept = min(n_acc, len(emitted))
+        k_counted = len(drafts) if len(emitted) > n_acc else len(emitted)
+        speculative = proposal is not None
+        forwards = proposal.forwards if proposal else 0
+        stats.record(len(emitted), t2 - t1, speculative=speculative, k_drafted=k_counted, n_accepted=n_acc_kept,
+                     draft_s=t1 - t0, draft_forwards=forwards)
+        answer.governor.observe(speculative, len(emitted), t1 - t0, t2 - t1)
+        if speculative:
+            answer.policy.observe(n_acc_kept, k_counted, forwards, t1 - t0, t2 - t1)
+        answer.ctx += emitted
+        answer.produced += len(emitted)
+        return StepEvent(step=n, tokens=emitted, from_draft=[i < n_acc for i in range(len(emitted))],
+                         speculative=speculative, k_planned=k_planned, drafted=drafts, n_accepted=n_acc_kept,
+                         draft_forwards=forwards, draft_seconds=t1 - t0, verify_seconds=t2 - t1, note=note,
+                         finish_reason=finish)
+
+    def _trim(self, emitted: list[int], answer: _Answer) -> tuple[list[int], str | None]:
+        """Cut at EOS and at the token budget; the target cache drops the rest on its next extend."""
         eos = self.target.tokenizer.eos_token_ids
-        produced = 0
-        step = 0
-        while True:
-            if cancel is not None and cancel.is_set():  # checked before spending a forward pass
-                yield StepEvent(step + 1, [], [], [], 0, 0.0, 0.0, 0, "", "cancelled")
-                return
-            note = ""
-            busy = self._active > self.max_speculative_sequences
-            if busy and drafter is not None:
-                note = f"speculation paused: {self._active} sequences > limit {self.max_speculative_sequences}"
-            k = 0 if (drafter is None or busy) else min(policy.next_k(stats), budget - produced - 1)
-            if drafter is not None and governor.off_reason and self.auto_off:
-                note, drafter = governor.off_reason, None
-                k = 0
-            elif self.auto_off and governor.wants_probe:
-                k = 0  # one plain step measures what target-only costs, for the governor's comparison
-            t0 = time.perf_counter()
-            proposal = Proposal([], None, 0)
-            if k > 0:
-                try:
-                    proposal = drafter.propose(ctx, k, params, gen)
-                except Exception as e:  # a failing drafter must not cost the answer: go on with the target
-                    note, drafter, k = f"drafter failed ({type(e).__name__}: {e}); continuing target-only", None, 0
-            t1 = time.perf_counter()
-            n_acc, nxt = self._verify(target, ctx, proposal, params, gen)
-            t2 = time.perf_counter()
-            emitted = proposal.tokens[:n_acc] + [nxt]
-            from_draft = [True] * n_acc + [False]
-            k = len(proposal.tokens)
-            if k:
-                stats.record(k, n_acc, len(emitted), t1 - t0, proposal.forwards, t2 - t1)
-                policy.observe(n_acc, k, t1 - t0, t2 - t1)
-                drafter.observe(ctx + emitted, n_acc)
-            governor.observe(k, len(emitted), t1 - t0, t2 - t1)
-            # Trim at EOS and at the token budget; the target cache is rolled back on the next extend.
-            finish = None
-            for i, tok in enumerate(emitted):
-                if tok in eos:
-                    emitted, from_draft, finish = emitted[:i + 1], from_draft[:i + 1], "eos"
-                    break
-            room = budget - produced
-            if len(emitted) >= room and finish is None:
-                finish = "length" if budget == config.max_new_tokens else "context"
-            emitted, from_draft = emitted[:room], from_draft[:room]
-            ctx += emitted
-            produced += len(emitted)
-            step += 1
-            yield StepEvent(step, emitted, from_draft, proposal.tokens, n_acc, t1 - t0, t2 - t1, k, note, finish)
-            if finish:
-                return
+        room = answer.budget - answer.produced
+        for i, tok in enumerate(emitted[:room]):
+            if tok in eos:
+                return emitted[:i + 1], "eos"
+        if len(emitted) >= room:
+            return emitted[:room], "length" if answer.length_limited else "context"
+        return emitted, None
 
     @staticmethod
-    def _verify(target: PrefixCache, ctx: list[int], proposal: Proposal, params: SamplingParams,
+    def _verify(target: PrefixCache, ctx: list[int], proposal: Proposal | None, params: SamplingParams,
                 gen: torch.Generator) -> tuple[int, int]:
         """One target forward over ctx + drafts; returns (accepted drafts, the target's next token)."""
-        drafts = proposal.tokens
+        drafts = proposal.tokens if proposal else []
         logits = target.extend(ctx + drafts, n_logits=len(drafts) + 1)[-(len(drafts) + 1):]
         if params.greedy:
             n_acc, nxt = accept_greedy(drafts, logits.argmax(-1).tolist())

@@ -44,7 +44,8 @@ def main(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         if ev.note:
             print(f"\n[{ev.note}]", file=sys.stderr)
-        events.append({"step": ev.step, "k": ev.k, "drafted": ev.drafted, "accepted": ev.n_accepted,
+        events.append({"step": ev.step, "speculative": ev.speculative, "k_planned": ev.k_planned,
+                       "drafted": ev.drafted, "accepted": ev.n_accepted, "draft_forwards": ev.draft_forwards,
                        "emitted": ev.tokens, "draft_s": ev.draft_seconds, "verify_s": ev.verify_seconds,
                        "note": ev.note, "finish_reason": ev.finish_reason})
     seconds = time.perf_counter() - t0
@@ -55,7 +56,7 @@ def main(args: argparse.Namespace) -> int:
     summary = f"{len(tokens)} tokens in {seconds:.2f} s = {result['tokens_per_s']:.2f} tok/s"
     if stats.proposed:
         summary += (f"; draft_acceptance_rate {stats.draft_acceptance_rate:.0%}, "
-                    f"mean_accepted_per_step {stats.mean_accepted_per_step:.2f}")
+                    f"tokens_per_target_forward {stats.tokens_per_target_forward:.2f}")
         if stats.draft_acceptance_rate < LOW_ACCEPTANCE_WARNING:
             summary += f" (warning: acceptance below {LOW_ACCEPTANCE_WARNING:.0%}; speculation may not pay)"
     print(summary, file=sys.stderr)

@@ -6,13 +6,15 @@ import statistics
 from collections import deque
 from typing import Protocol
 
-from .metrics import SpecStats, expected_speedup
+from .metrics import expected_speedup
 
 
 class KPolicy(Protocol):
-    def next_k(self, stats: SpecStats) -> int: ...
+    def next_k(self) -> int: ...
 
-    def observe(self, n_accepted: int, k: int, draft_s: float, verify_s: float) -> None: ...
+    def observe(self, n_accepted: int, k_drafted: int, draft_forwards: int, draft_s: float,
+                verify_s: float) -> None:
+        """Told after every speculative step (the drafter ran; it may have proposed nothing)."""
 
 
 class FixedK:
@@ -21,10 +23,11 @@ class FixedK:
             raise ValueError(f"K must be ≥ 1, got {k}")
         self.k = k
 
-    def next_k(self, stats: SpecStats) -> int:
+    def next_k(self) -> int:
         return self.k
 
-    def observe(self, n_accepted: int, k: int, draft_s: float, verify_s: float) -> None:
+    def observe(self, n_accepted: int, k_drafted: int, draft_forwards: int, draft_s: float,
+                verify_s: float) -> None:
         pass
 
 
@@ -44,17 +47,19 @@ class AdaptiveK:
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else self.decay * old + (1 - self.decay) * new
 
-    def observe(self, n_accepted: int, k: int, draft_s: float, verify_s: float) -> None:
-        # One step is a truncated geometric sample: n accepted, then one rejection unless n == k.
-        step_alpha = n_accepted / (n_accepted + (n_accepted < k))
-        self.alpha = self._ema(self.alpha, step_alpha)
-        if verify_s > 0:
-            self.c = self._ema(self.c, (draft_s / k) / verify_s if k else 0.0)
+    def observe(self, n_accepted: int, k_drafted: int, draft_forwards: int, draft_s: float,
+                verify_s: float) -> None:
+        if k_drafted:  # one step is a truncated geometric sample: n accepted, then one rejection unless n == k
+            self.alpha = self._ema(self.alpha, n_accepted / (n_accepted + (n_accepted < k_drafted)))
+        if verify_s > 0:  # per draft forward: a step the gate cut short ran one more forward than it proposed
+            self.c = self._ema(self.c, (draft_s / max(draft_forwards, 1)) / verify_s)
+        if self.alpha is None:
+            return
         alpha = min(self.alpha, 0.999)
         c = self.c or 0.0
         self.k = max(range(self.k_min, self.k_max + 1), key=lambda kk: expected_speedup(alpha, kk, c))
 
-    def next_k(self, stats: SpecStats) -> int:
+    def next_k(self) -> int:
         return self.k
 
 
@@ -73,15 +78,15 @@ class SpeculationGovernor:
         self.seen = 0
         self.off_reason = ""
 
-    def observe(self, k: int, emitted: int, draft_s: float, verify_s: float) -> None:
+    def observe(self, speculative: bool, emitted: int, draft_s: float, verify_s: float) -> None:
+        """One target forward; speculative: a drafter ran before it (whatever it proposed)."""
         self.seen += 1
         if self.seen == 1:
             return  # the first step carries the prompt's prefill
-        if k == 0:
+        if speculative:
+            self.spec.append((emitted, draft_s + verify_s))
+        else:
             self.plain.append(verify_s)
-            self._decide()
-            return
-        self.spec.append((emitted, draft_s + verify_s))
         self._decide()
 
     @property

@@ -10,8 +10,11 @@ import torch
 
 class PrefixCache:
     """min_feed: feed at least this many new tokens per forward, padding with copies of the last one (whose
-    cache entries are dropped again). Causal attention keeps the real positions' logits the same; it exists
-    because a one-row bf16 matmul on this CPU is slower than a two-row one (see fastest_min_feed)."""
+    cache entries are dropped again). It exists because a one-row bf16 matmul on this CPU is slower than a two-row
+    one (see fastest_min_feed). Causal attention keeps the real positions' logits the same only where each row is
+    computed on its own: dynamic int8 quantization scales activations per tensor, so a pad row moves the real
+    row's logits (by up to 0.2–0.4 for the 0.5B draft). That stays lossless (the q a draft records is the q it
+    sampled from), but it would make acceptance depend on how tokens are fed, so int8 drafts use min_feed 1."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device, min_feed: int = 1) -> None:
         self.model = model

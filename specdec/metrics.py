@@ -6,14 +6,19 @@ from dataclasses import dataclass, field
 
 DEFINITIONS: dict[str, str] = {
     "draft_acceptance_rate": "accepted draft tokens ÷ proposed draft tokens (vLLM's definition)",
-    "mean_accepted_per_step": "tokens emitted per target forward pass, bonus/correction token included",
+    "tokens_per_target_forward": "tokens emitted ÷ target forward passes, every pass counted (plain steps, the "
+    "governor's probe and the prefill too), bonus/correction tokens included, tokens past EOS not",
+    "mean_k": "draft tokens proposed ÷ speculative steps (target forwards that verified a drafter's proposal; a step "
+    "whose drafter ran but proposed nothing, e.g. stopped by the confidence gate, counts as one)",
     "alpha": "per-token acceptance probability α (Leviathan et al.), estimated as accepted ÷ (accepted + "
     "rejections), the maximum-likelihood value when each draft token is accepted independently",
     "per_position_acceptance": "for draft position i, accepted ÷ proposed at that position",
     "tokens_per_s": "generated tokens ÷ seconds generating them: in bench and generate the whole generation, "
-    "prefill included; in a voice turn (tokens − 1) ÷ first-to-last-token seconds, as prefill is its own stage",
+    "prefill included; in a voice turn the decode rate, tokens after the first target step ÷ seconds from the first "
+    "step's tokens to the last (the first step, with the prefill, is its own stage; it may carry several tokens "
+    "with speculation, so they are left out in both modes)",
     "expected_speedup": "Leviathan et al.: (1 − α^(K+1)) / ((1 − α)(cK + 1)), c = draft forward ÷ target forward",
-    "draft_cost_ratio": "c = seconds per draft forward ÷ seconds per target forward",
+    "draft_cost_ratio": "c = seconds per draft forward ÷ seconds per target forward (in a speculative step)",
     "ttfa_ms": "time to first audio: end of the last voiced user audio → first answer sample out of the TTS "
     "(server side); includes the end-of-turn silence wait, and its stages add up to it",
     "ttfa_heard_ms": "the same start → the first answer sample heard in the browser (AudioWorklet output time, "
@@ -59,47 +64,66 @@ def alpha_from_acceptance_rate(rate: float, k: int) -> float:
 
 @dataclass
 class SpecStats:
-    """Running counters for one generation (or a whole benchmark)."""
+    """Running counters for one generation (or a whole benchmark). Record each target forward once, after the
+    EOS/budget trim, so nothing past the answer's end counts."""
 
+    target_forwards: int = 0  # every target forward
+    speculative_steps: int = 0  # target forwards that verified a drafter's proposal (the drafter ran)
     proposed: int = 0
     accepted: int = 0
-    steps: int = 0  # target forwards
     emitted: int = 0
-    rejections: int = 0  # steps that stopped at a rejected draft token
+    rejections: int = 0  # speculative steps that stopped at a rejected draft token
     draft_seconds: float = 0.0
     draft_forwards: int = 0
-    verify_seconds: float = 0.0
+    verify_seconds: float = 0.0  # target time of the speculative steps
     per_position_proposed: list[int] = field(default_factory=list)
     per_position_accepted: list[int] = field(default_factory=list)
 
-    def record(self, k: int, n_accepted: int, n_emitted: int, draft_s: float, draft_forwards: int,
-               verify_s: float) -> None:
-        self.steps += 1
-        self.proposed += k
-        self.accepted += n_accepted
+    def record(self, n_emitted: int, verify_s: float, *, speculative: bool = False, k_drafted: int = 0,
+               n_accepted: int = 0, draft_s: float = 0.0, draft_forwards: int = 0) -> None:
+        """One target forward. speculative: a drafter ran this step (it may have proposed nothing)."""
+        self.target_forwards += 1
         self.emitted += n_emitted
-        self.rejections += int(n_accepted < k)
+        if not speculative:
+            return
+        self.speculative_steps += 1
+        self.proposed += k_drafted
+        self.accepted += n_accepted
+        self.rejections += int(n_accepted < k_drafted)
         self.draft_seconds += draft_s
         self.draft_forwards += draft_forwards
         self.verify_seconds += verify_s
+        self._grow_positions(k_drafted)
+        for i in range(k_drafted):
+            self.per_position_proposed[i] += 1
+            self.per_position_accepted[i] += int(i < n_accepted)
+
+    def _grow_positions(self, k: int) -> None:
         while len(self.per_position_proposed) < k:
             self.per_position_proposed.append(0)
             self.per_position_accepted.append(0)
-        for i in range(k):
-            self.per_position_proposed[i] += 1
-            self.per_position_accepted[i] += int(i < n_accepted)
+
+    def merge(self, other: SpecStats) -> None:
+        """Add another generation's counters to these."""
+        for name in ("target_forwards", "speculative_steps", "proposed", "accepted", "emitted", "rejections",
+                     "draft_seconds", "draft_forwards", "verify_seconds"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self._grow_positions(len(other.per_position_proposed))
+        for i, (p, a) in enumerate(zip(other.per_position_proposed, other.per_position_accepted)):
+            self.per_position_proposed[i] += p
+            self.per_position_accepted[i] += a
 
     @property
     def draft_acceptance_rate(self) -> float:
         return self.accepted / self.proposed if self.proposed else 0.0
 
     @property
-    def mean_accepted_per_step(self) -> float:
-        return self.emitted / self.steps if self.steps else 0.0
+    def tokens_per_target_forward(self) -> float:
+        return self.emitted / self.target_forwards if self.target_forwards else 0.0
 
     @property
     def mean_k(self) -> float:
-        return self.proposed / self.steps if self.steps else 0.0
+        return self.proposed / self.speculative_steps if self.speculative_steps else 0.0
 
     @property
     def alpha(self) -> float:
@@ -108,9 +132,9 @@ class SpecStats:
 
     @property
     def draft_cost_ratio(self) -> float:
-        if not self.draft_forwards or not self.steps or not self.verify_seconds:
+        if not self.draft_forwards or not self.speculative_steps or not self.verify_seconds:
             return 0.0
-        return (self.draft_seconds / self.draft_forwards) / (self.verify_seconds / self.steps)
+        return (self.draft_seconds / self.draft_forwards) / (self.verify_seconds / self.speculative_steps)
 
     @property
     def per_position_acceptance(self) -> list[float]:
@@ -124,14 +148,16 @@ class SpecStats:
     def as_dict(self) -> dict:
         return {
             "draft_acceptance_rate": self.draft_acceptance_rate,
-            "mean_accepted_per_step": self.mean_accepted_per_step,
+            "tokens_per_target_forward": self.tokens_per_target_forward,
             "alpha": self.alpha,
             "per_position_acceptance": self.per_position_acceptance,
             "draft_cost_ratio": self.draft_cost_ratio,
             "expected_speedup": self.expected_speedup,
             "proposed": self.proposed,
             "accepted": self.accepted,
-            "steps": self.steps,
+            "target_forwards": self.target_forwards,
+            "speculative_steps": self.speculative_steps,
+            "draft_forwards": self.draft_forwards,
             "mean_k": self.mean_k,
         }
 

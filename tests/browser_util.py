@@ -1,6 +1,6 @@
 """Test helpers for the app: the tiny-engine agent (loaded once per test process) and an in-process app server.
 
-    from browser_util import running_app, shared_agent, CHROMIUM
+    from browser_util import running_app, shared_agent, gated_build, CHROMIUM
 """
 
 from __future__ import annotations
@@ -39,10 +39,21 @@ def tiny_config() -> AgentConfig:
 
 @functools.cache
 def shared_agent() -> VoiceAgent:
-    """One warmed-up agent for every app test in this process (ASR, TTS and warm-up cost seconds)."""
-    agent = VoiceAgent(tiny_config())
-    agent.warmup()
-    return agent
+    """One agent for every app test in this process (loading ASR and TTS costs seconds); each app warms it up."""
+    return VoiceAgent(tiny_config())
+
+
+def gated_build(gate: threading.Event, error: str | None = None) -> Callable:
+    """Model loading (for running_app) that waits for gate, then fails with error or gives the shared agent."""
+    def build(progress: Callable[[int], None]) -> VoiceAgent:
+        progress(0)
+        gate.wait(30)
+        if error:
+            raise RuntimeError(error)
+        progress(1)
+        progress(2)
+        return shared_agent()
+    return build
 
 
 def free_port() -> int:
@@ -84,11 +95,8 @@ def running_app(build: Callable | None = None, **options) -> Iterator[RunningApp
 
 
 def wait_ready(app: RunningApp, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not app.server.loader.ready:
-        if app.server.loader.error or time.monotonic() > deadline:
-            raise RuntimeError(f"models not ready: {app.server.loader.error}")
-        time.sleep(0.05)
+    if not app.server.loader.finished.wait(timeout) or app.server.loader.error:
+        raise RuntimeError(f"models not ready: {app.server.loader.error}")
 
 
 def recv_until(ws, want: Callable[[dict], bool], timeout: float = 30) -> tuple[dict, list]:

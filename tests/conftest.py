@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -25,3 +27,16 @@ def real_models() -> None:
         if os.environ.get("CI"):
             pytest.fail(msg)
         pytest.skip(msg)
+
+
+def tool(name: str) -> str:
+    """A command-line tool that a declared package installs: beside this interpreter (the project venv, also when
+    it is not activated), else on PATH. Missing locally: skip; missing in CI: fail, as a fresh install would."""
+    here = Path(sysconfig.get_path("scripts")) / name
+    found = str(here) if here.exists() else shutil.which(name)
+    if found is None:
+        msg = f"{name} is not installed: run scripts/setup.sh --test"
+        if os.environ.get("CI"):
+            pytest.fail(msg)
+        pytest.skip(msg)
+    return found

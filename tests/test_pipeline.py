@@ -40,9 +40,7 @@ class ScriptedLLM:
                 return
             time.sleep(self.step_s)
             now = time.perf_counter()
-            stats.tokens += 1
-            stats.first_token_t = stats.first_token_t or now
-            stats.last_token_t = now
+            stats.add(1, now)
             yield LLMDelta((" " if i else "") + word, 1, [bool(i % 2)], 1, i % 2, now)
 
 

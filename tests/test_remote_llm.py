@@ -20,7 +20,7 @@ def expected_spec(fake: FakeVLLM, max_tokens: int) -> SpecStats:
     """What the in-process engine would have recorded for the fake's plan, via SpecStats.record."""
     spec = SpecStats()
     for _, accepted in fake.plan(max_tokens)[1:]:
-        spec.record(fake.k, accepted, accepted + 1, 0.0, 0, 0.0)
+        spec.record(accepted + 1, 0.0, speculative=True, k_drafted=fake.k, n_accepted=accepted)
     return spec
 
 
@@ -71,7 +71,7 @@ def test_acceptance_from_counter_deltas(fake: FakeVLLM) -> None:
     assert got.rejections == want.rejections
     assert got.draft_acceptance_rate == pytest.approx(want.draft_acceptance_rate)
     assert got.alpha == pytest.approx(want.alpha)
-    assert got.mean_accepted_per_step == pytest.approx(want.mean_accepted_per_step)
+    assert got.tokens_per_target_forward == pytest.approx(want.tokens_per_target_forward)
     assert stats.notes == []
 
 
@@ -80,7 +80,7 @@ def test_max_tokens_limits_the_reply_and_the_counters() -> None:
         text, stats, deltas = run(OpenAICompatibleLLM(fake.url, max_tokens=10))
         assert deltas[-1].finish_reason == "length"
         assert stats.tokens == 10 and text == "".join(tokenize(DEFAULT_REPLY)[:10])
-        assert stats.spec.steps == len(fake.plan(10)) - 1
+        assert stats.spec.speculative_steps == len(fake.plan(10)) - 1
 
 
 def test_counters_without_total_suffix_are_read_too() -> None:
@@ -106,7 +106,7 @@ def test_speculation_off_goes_to_the_target_only_server(fake: FakeVLLM) -> None:
         text, stats, _ = run(llm, speculation=False)
         assert text == DEFAULT_REPLY
         assert len(plain.requests) == 1 and fake.requests == []
-        assert stats.spec.steps == 0 and stats.notes == []
+        assert stats.spec.speculative_steps == 0 and stats.notes == []
         _, stats_on, _ = run(OpenAICompatibleLLM(plain.url), speculation=True)
         assert any("not speculating" in n for n in stats_on.notes)
 

@@ -127,13 +127,29 @@ def test_expected_speedup_formulas():
 
 def test_spec_stats_definitions():
     s = SpecStats()
-    s.record(k=4, n_accepted=4, n_emitted=5, draft_s=0.1, draft_forwards=4, verify_s=0.2)
-    s.record(k=4, n_accepted=1, n_emitted=2, draft_s=0.1, draft_forwards=4, verify_s=0.2)
+    s.record(5, 0.2, speculative=True, k_drafted=4, n_accepted=4, draft_s=0.1, draft_forwards=4)
+    s.record(2, 0.2, speculative=True, k_drafted=4, n_accepted=1, draft_s=0.1, draft_forwards=4)
+    s.record(1, 0.3)  # a plain target step: counts as a target forward, not as a speculative one
+    s.record(1, 0.2, speculative=True, draft_s=0.02, draft_forwards=1)  # the gate stopped before the first draft
     assert s.draft_acceptance_rate == 5 / 8
-    assert s.mean_accepted_per_step == 3.5
+    assert s.tokens_per_target_forward == 9 / 4
+    assert (s.target_forwards, s.speculative_steps, s.draft_forwards) == (4, 3, 9)
+    assert s.mean_k == 8 / 3
     assert s.alpha == 5 / 6  # 5 accepted, 1 rejection
     assert s.per_position_acceptance == [1.0, 0.5, 0.5, 0.5]
-    assert math.isclose(s.draft_cost_ratio, 0.025 / 0.2)
+    assert math.isclose(s.draft_cost_ratio, (0.22 / 9) / (0.6 / 3))
+
+
+def test_spec_stats_merge_adds_every_counter():
+    a, b, both = SpecStats(), SpecStats(), SpecStats()
+    steps = [(a, (5, 0.2), dict(speculative=True, k_drafted=4, n_accepted=4, draft_s=0.1, draft_forwards=4)),
+             (b, (2, 0.1), dict(speculative=True, k_drafted=6, n_accepted=1, draft_s=0.3, draft_forwards=6)),
+             (b, (1, 0.3), {})]
+    for stats, args, kw in steps:
+        stats.record(*args, **kw)
+        both.record(*args, **kw)
+    a.merge(b)
+    assert a == both
 
 
 @pytest.mark.parametrize(

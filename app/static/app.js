@@ -253,7 +253,7 @@
         if (S.micMode === 'handsfree') S.vad = 'waiting for speech';
         break;
       case 'turn':
-        S.turns[m.turn] = { ...m, pieces: [], steps: [], proposed: 0, accepted: 0, emitted: 0, specSteps: 0,
+        S.turns[m.turn] = { ...m, pieces: [], steps: [], proposed: 0, accepted: 0, emitted: 0, forwards: 0,
           tokensPerS: null, data: null, heard: null };
         S.order.push(m.turn);
         S.current = m.turn;
@@ -263,12 +263,11 @@
         if (!t) return;
         t.pieces.push(...m.pieces);
         t.tokensPerS = m.tokens_per_s;
-        if (m.drafted > 0) { // live running figures; the final ones come from the server's SpecStats
-          t.proposed += m.drafted;
-          t.accepted += m.accepted;
-          t.emitted += m.step_tokens;
-          t.specSteps += 1;
-        }
+        // Live running figures (one message per target forward); the final ones come from the server's SpecStats.
+        t.proposed += m.drafted;
+        t.accepted += m.accepted;
+        t.emitted += m.step_tokens;
+        t.forwards += 1;
         t.steps.push({ rate: m.step_tokens_per_s, acceptance: m.drafted > 0 ? m.accepted / m.drafted : null });
         break;
       }
@@ -383,15 +382,17 @@
       cls = 'failed';
     } else if (!st.ready) {
       const secs = st.elapsed_s + (Date.now() - S.statusAt) / 1000;
-      text = `Loading models — ${st.stage} (${secs.toFixed(0)} s). Turns are refused until ready.`;
+      text = `Loading models — ${st.stage} (${secs.toFixed(0)} s). What you type or say now is answered when `
+        + 'they are ready.';
       progress = Math.max(0, st.step) / st.steps;
       setTimeout(render, 1000); // keep the elapsed time ticking
     } else {
       const e = st.engine || {};
-      text = `Ready — LLM ${e.llm}; ASR ${e.asr}; TTS ${e.tts}; loaded in ${fmt(st.load_s, 1)} s`;
+      text = `Ready — LLM ${e.llm}; ASR ${e.asr}; TTS ${e.tts}; loaded and warmed up in ${fmt(st.load_s, 1)} s`;
       cls = 'ready';
       progress = 1;
     }
+    setText('model-steps', st ? st.step_s.map(([name, s]) => `${name} ${fmt(s, 1)} s`).join(' · ') : '');
     if (S.audioError) text += ` · ${S.audioError}`;
     else if (S.ctx && S.ctx.state === 'suspended') text += ' · click anywhere to enable sound';
     setText('model-status', text);
@@ -447,13 +448,13 @@
     setText('tokens-per-s', fmt(d ? d.tokens_per_s : t.tokensPerS, 1));
     if (!t.speculation) {
       setText('acceptance-rate', 'off');
-      setText('mean-accepted', 'off');
+      setText('tokens-per-forward', 'off');
     } else if (d) {
       setText('acceptance-rate', pct(d.draft_acceptance_rate));
-      setText('mean-accepted', fmt(d.mean_accepted_per_step, 2));
+      setText('tokens-per-forward', fmt(d.tokens_per_target_forward, 2));
     } else {
       setText('acceptance-rate', t.proposed ? pct(t.accepted / t.proposed) : '…');
-      setText('mean-accepted', t.specSteps ? fmt(t.emitted / t.specSteps, 2) : '…');
+      setText('tokens-per-forward', t.forwards ? fmt(t.emitted / t.forwards, 2) : '…');
     }
   }
 
@@ -462,7 +463,9 @@
     const d = t && t.data;
     setText('waterfall-mode', t ? `turn ${t.turn}, speculation ${t.speculation ? 'on' : 'off'}` : '');
     if (!d || !d.ttfa_ms) {
-      setHtml('waterfall', t ? '<div class="sv-def">waiting for the first audio…</div>' : '');
+      const why = !d ? 'waiting for the first audio…' : d.cancelled ? 'interrupted before its first audio'
+        : 'the answer had no audio';
+      setHtml('waterfall', t ? `<div class="sv-def">${why}</div>` : '');
       return;
     }
     const heard = t.heard && t.heard.ttfa_heard_ms;
