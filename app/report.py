@@ -11,25 +11,56 @@ import csv
 import html
 import io
 import json
-import statistics
+import re
 from collections.abc import Sequence
 from datetime import datetime, timezone
+from pathlib import Path
 
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from pipeline.bench_voice import bootstrap_ci
 from pipeline.timeline import STAGES
 from specdec.metrics import DEFINITIONS
+from specdec.stats import median_or_none, paired_ratio
 
-MODE_COLORS = {False: "#d95f02", True: "#1b9e77"}  # speculation off / on, the same in the page's plots
-STAGE_COLORS = ("#bbbbbb", "#8da0cb", "#66c2a5", "#fc8d62", "#e78ac3")
+
+def page_colors() -> dict[str, str]:
+    """The page's colours (the `--sv-*` custom properties in app/static/app.css, their one home), so the exported
+    report's plots match the live ones."""
+    css = (Path(__file__).parent / "static" / "app.css").read_text()
+    return dict(re.findall(r"--sv-([\w-]+):\s*(#[0-9a-fA-F]{3,6})\b", css))
+
+
+COLORS = page_colors()
+MODE_COLORS = {False: COLORS["spec-off"], True: COLORS["spec-on"]}  # speculation off / on
+STAGE_COLORS = tuple(COLORS[f"stage-{i}"] for i in range(len(STAGES)))
 
 CSV_COLUMNS = (
-    "turn", "kind", "ab", "ab_repeat", "speculation", "ttfa_ms", "ttfa_heard_ms", "heard_delay_ms",
-    *STAGES, "first_chunk_tokens", "tokens", "tokens_per_s", "draft_acceptance_rate", "tokens_per_target_forward",
-    "rejected_draft_tokens", "wasted_tokens", "cancelled", "audio_seconds", "drafter", "k", "temperature",
-    "heard_method", "started_at", "transcript", "answer",
+    "turn",
+    "kind",
+    "ab",
+    "ab_repeat",
+    "speculation",
+    "ttfa_ms",
+    "ttfa_heard_ms",
+    "heard_delay_ms",
+    *STAGES,
+    "first_chunk_tokens",
+    "tokens",
+    "tokens_per_s",
+    "draft_acceptance_rate",
+    "tokens_per_target_forward",
+    "rejected_draft_tokens",
+    "wasted_tokens",
+    "cancelled",
+    "audio_seconds",
+    "drafter",
+    "k",
+    "temperature",
+    "heard_method",
+    "started_at",
+    "transcript",
+    "answer",
 )
 
 
@@ -50,39 +81,23 @@ def turns_csv(turns: Sequence[dict]) -> str:
     return out.getvalue()
 
 
-def _median(values: list[float | None]) -> float | None:
-    vals = [v for v in values if v is not None]
-    return statistics.median(vals) if vals else None
-
-
-def paired_difference(pairs: Sequence[tuple[float, float]]) -> dict:
-    """A/B pairs (off, on) of one figure → mean of on − off with a 95% bootstrap interval (negative: on is faster)."""
-    diffs = [on - off for off, on in pairs]
-    if not diffs:
-        return {"n": 0, "mean_diff_ms": None, "ci95_ms": None, "median_off_ms": None, "median_on_ms": None}
-    return {
-        "n": len(diffs),
-        "mean_diff_ms": statistics.fmean(diffs),
-        # One pair has no spread: its interval is the point itself, which the page labels as such.
-        "ci95_ms": list(bootstrap_ci(diffs, stat=statistics.fmean)),
-        "median_off_ms": statistics.median(off for off, _ in pairs),
-        "median_on_ms": statistics.median(on for _, on in pairs),
-    }
-
-
 def ab_pairs(turns: Sequence[dict]) -> dict[int, list[tuple[dict, dict]]]:
     """A/B id → [(off turn, on turn)] per repeat, complete pairs only."""
     runs: dict[int, dict[int, dict[bool, dict]]] = {}
     for t in turns:
         if t.get("kind") == "ab" and t.get("ab") is not None:
             runs.setdefault(t["ab"], {}).setdefault(t.get("ab_repeat", 0), {})[bool(t["speculation"])] = t
-    return {ab: [(r[False], r[True]) for _, r in sorted(reps.items()) if False in r and True in r]
-            for ab, reps in runs.items()}
+    return {
+        ab: [(r[False], r[True]) for _, r in sorted(reps.items()) if False in r and True in r]
+        for ab, reps in runs.items()
+    }
 
 
 def summarize(turns: Sequence[dict]) -> dict:
-    by_mode = {mode: [t for t in turns if bool(t.get("speculation")) == mode and not t.get("cancelled")]
-               for mode in (False, True)}
+    by_mode = {
+        mode: [t for t in turns if bool(t.get("speculation")) == mode and not t.get("cancelled")]
+        for mode in (False, True)
+    }
     summary: dict = {"turns": len(turns), "kinds": {}}
     for t in turns:
         summary["kinds"][t.get("kind", "?")] = summary["kinds"].get(t.get("kind", "?"), 0) + 1
@@ -90,20 +105,25 @@ def summarize(turns: Sequence[dict]) -> dict:
         ts = by_mode[mode]
         summary[name] = {
             "turns": len(ts),
-            "ttfa_ms_median": _median([t.get("ttfa_ms") for t in ts]),
-            "ttfa_heard_ms_median": _median([t.get("ttfa_heard_ms") for t in ts]),
-            "tokens_per_s_median": _median([t.get("tokens_per_s") for t in ts]),
-            "draft_acceptance_rate_median": _median([t.get("draft_acceptance_rate") for t in ts]),
+            "ttfa_ms_median": median_or_none([t.get("ttfa_ms") for t in ts]),
+            "ttfa_heard_ms_median": median_or_none([t.get("ttfa_heard_ms") for t in ts]),
+            "tokens_per_s_median": median_or_none([t.get("tokens_per_s") for t in ts]),
+            "draft_acceptance_rate_median": median_or_none([t.get("draft_acceptance_rate") for t in ts]),
         }
-    summary["heard_delay_ms_median"] = _median([t.get("heard_delay_ms") for t in turns])
-    summary["ab"] = {ab: paired_difference([(off["ttfa_ms"], on["ttfa_ms"]) for off, on in pairs])
-                     for ab, pairs in ab_pairs(turns).items()}
+    summary["heard_delay_ms_median"] = median_or_none([t.get("heard_delay_ms") for t in turns])
+    summary["ab"] = {
+        ab: paired_ratio([(off["ttfa_ms"], on["ttfa_ms"]) for off, on in pairs])
+        for ab, pairs in ab_pairs(turns).items()
+    }
     return summary
 
 
 def turns_json(turns: Sequence[dict], meta: dict | None = None) -> str:
-    return json.dumps({"meta": meta or {}, "definitions": DEFINITIONS, "summary": summarize(turns),
-                       "turns": list(turns)}, indent=2, default=str)
+    return json.dumps(
+        {"meta": meta or {}, "definitions": DEFINITIONS, "summary": summarize(turns), "turns": list(turns)},
+        indent=2,
+        default=str,
+    )
 
 
 # ------------------------------------------------------------------------------------------------ plots
@@ -123,8 +143,11 @@ def ttfa_figure(turns: Sequence[dict]) -> Figure:
         pts = [(t["turn"], t["ttfa_ms"]) for t in turns if bool(t.get("speculation")) == mode and t.get("ttfa_ms")]
         if pts:
             ax.plot(*zip(*pts), "o", color=MODE_COLORS[mode], label=f"{label} (server)")
-        heard = [(t["turn"], t["ttfa_heard_ms"]) for t in turns
-                 if bool(t.get("speculation")) == mode and t.get("ttfa_heard_ms") is not None]
+        heard = [
+            (t["turn"], t["ttfa_heard_ms"])
+            for t in turns
+            if bool(t.get("speculation")) == mode and t.get("ttfa_heard_ms") is not None
+        ]
         if heard:
             ax.plot(*zip(*heard), "o", mfc="none", color=MODE_COLORS[mode], label=f"{label} (heard)")
     ax.set(xlabel="turn", ylabel="TTFA, ms", title="Time to first audio per turn")
@@ -158,7 +181,7 @@ def heard_figure(turns: Sequence[dict]) -> Figure:
     ax = fig.subplots()
     pts = [(t["turn"], t["heard_delay_ms"]) for t in turns if t.get("heard_delay_ms") is not None]
     if pts:
-        ax.plot(*zip(*pts), "o-", color="#7570b3")
+        ax.plot(*zip(*pts), "o-", color=COLORS["heard"])
     ax.axhline(150, color="gray", ls=":", label="goal: 150 ms median")
     ax.set(xlabel="turn", ylabel="ms", title="Heard delay: emitted by the server → heard in the browser")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -172,7 +195,7 @@ def ab_figure(pairs: Sequence[tuple[dict, dict]]) -> Figure:
     fig = Figure(figsize=(5, 3.2), layout="constrained")
     ax = fig.subplots()
     for off, on in pairs:
-        ax.plot([0, 1], [off["ttfa_ms"], on["ttfa_ms"]], "-", color="#999999", lw=1)
+        ax.plot([0, 1], [off["ttfa_ms"], on["ttfa_ms"]], "-", color=COLORS["axis"], lw=1)
         ax.plot([0], [off["ttfa_ms"]], "o", color=MODE_COLORS[False])
         ax.plot([1], [on["ttfa_ms"]], "o", color=MODE_COLORS[True])
     ax.set_xticks([0, 1], ["speculation off", "speculation on"])
@@ -222,45 +245,76 @@ def render_html(turns: Sequence[dict], meta: dict | None = None) -> str:
     meta = meta or {}
     summary = summarize(turns)
     generated = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>specvoice session report</title>"
-             f"<style>{_CSS}</style></head><body><h1>specvoice session report</h1><p>Generated {generated}. "]
-    parts.append(" · ".join(f"{html.escape(str(k))}: {_fmt(v, 1) if isinstance(v, float) else html.escape(str(v))}"
-                            for k, v in meta.items()) + "</p>")
+    parts = [
+        f"<!doctype html><html><head><meta charset='utf-8'><title>specvoice session report</title>"
+        f"<style>{_CSS}</style></head><body><h1>specvoice session report</h1><p>Generated {generated}. "
+    ]
+    parts.append(
+        " · ".join(
+            f"{html.escape(str(k))}: {_fmt(v, 1) if isinstance(v, float) else html.escape(str(v))}"
+            for k, v in meta.items()
+        )
+        + "</p>"
+    )
     rows = "".join(
         f"<tr><th>{name}</th><td>{s['turns']}</td><td>{_fmt(s['ttfa_ms_median'])}</td>"
         f"<td>{_fmt(s['ttfa_heard_ms_median'])}</td><td>{_fmt(s['tokens_per_s_median'], 1)}</td>"
         f"<td>{_fmt(s['draft_acceptance_rate_median'], pct=True)}</td></tr>"
-        for name, s in (("speculation off", summary["off"]), ("speculation on", summary["on"])))
-    parts.append("<h2>Summary</h2><table><tr><th></th><th>turns</th><th>TTFA median, ms</th>"
-                 "<th>TTFA (heard) median, ms</th><th>tokens/s median</th><th>draft acceptance median</th></tr>"
-                 f"{rows}</table><p>Heard delay median: {_fmt(summary['heard_delay_ms_median'])} ms "
-                 "(goal ≤ 150 ms).</p>")
+        for name, s in (("speculation off", summary["off"]), ("speculation on", summary["on"]))
+    )
+    parts.append(
+        "<h2>Summary</h2><table><tr><th></th><th>turns</th><th>TTFA median, ms</th>"
+        "<th>TTFA (heard) median, ms</th><th>tokens/s median</th><th>draft acceptance median</th></tr>"
+        f"{rows}</table><p>Heard delay median: {_fmt(summary['heard_delay_ms_median'])} ms "
+        "(goal ≤ 150 ms).</p>"
+    )
     pairs_by_ab = ab_pairs(turns)
     for ab, pairs in pairs_by_ab.items():
         s = summary["ab"][ab]
-        ci = s["ci95_ms"]
-        parts.append(f"<h2>A/B run {ab}: “{html.escape(pairs[0][0].get('transcript', ''))}”</h2>"
-                     f"<p>{s['n']} pairs; TTFA on − off: <b>{_fmt(s['mean_diff_ms'])} ms</b> "
-                     f"(95% bootstrap CI {_fmt(ci[0])} to {_fmt(ci[1])} ms); median off {_fmt(s['median_off_ms'])}"
-                     f" ms, on {_fmt(s['median_on_ms'])} ms.</p>{_img(ab_figure(pairs), f'A/B run {ab}')}")
+        ci = s["ratio_on_off_ci95"]
+        parts.append(
+            f"<h2>A/B run {ab}: “{html.escape(pairs[0][0].get('transcript', ''))}”</h2>"
+            f"<p>{s['n']} pairs; TTFA on ÷ off: <b>{_fmt(s['ratio_on_off_median'], 2)}</b> "
+            f"(median; 95% bootstrap CI {_fmt(ci[0], 2)} to {_fmt(ci[1], 2)}); median off "
+            f"{_fmt(s['median_off'])} ms, on {_fmt(s['median_on'])} ms. "
+            f"{html.escape(DEFINITIONS['ttfa_ratio_on_off'])}</p>{_img(ab_figure(pairs), f'A/B run {ab}')}"
+        )
     if turns:
-        parts.append("<h2>Plots</h2>" + _img(ttfa_figure(turns), "TTFA per turn")
-                     + _img(stages_figure(turns), "TTFA by stage") + _img(heard_figure(turns), "heard delay"))
-    head = ("<tr><th>turn</th><th>kind</th><th>speculation</th><th>TTFA</th><th>TTFA heard</th><th>heard delay</th>"
-            + "".join(f"<th>{s}</th>" for s in STAGES)
-            + "<th>tok/s</th><th>acceptance</th><th>accepted/step</th><th>you</th><th>agent</th></tr>")
+        parts.append(
+            "<h2>Plots</h2>"
+            + _img(ttfa_figure(turns), "TTFA per turn")
+            + _img(stages_figure(turns), "TTFA by stage")
+            + _img(heard_figure(turns), "heard delay")
+        )
+    head = (
+        "<tr><th>turn</th><th>kind</th><th>speculation</th><th>TTFA</th><th>TTFA heard</th><th>heard delay</th>"
+        + "".join(f"<th>{s}</th>" for s in STAGES)
+        + "<th>tok/s</th><th>acceptance</th><th>accepted/step</th><th>you</th><th>agent</th></tr>"
+    )
     body = "".join(
         f"<tr><td>{t.get('turn')}</td><td>{_fmt(t.get('kind'))}</td><td>{_fmt(bool(t.get('speculation')))}</td>"
         f"<td>{_fmt(t.get('ttfa_ms'))}</td><td>{_fmt(t.get('ttfa_heard_ms'))}</td><td>{_fmt(t.get('heard_delay_ms'))}"
-        "</td>" + "".join(f"<td>{_fmt((t.get('stages') or {}).get(s))}</td>" for s in STAGES)
+        "</td>"
+        + "".join(f"<td>{_fmt((t.get('stages') or {}).get(s))}</td>" for s in STAGES)
         + f"<td>{_fmt(t.get('tokens_per_s'), 1)}</td><td>{_fmt(t.get('draft_acceptance_rate'), pct=True)}</td>"
         f"<td>{_fmt(t.get('tokens_per_target_forward'), 2)}</td><td class='text'>{_clip(t.get('transcript'))}</td>"
         f"<td class='text'>{_clip(t.get('answer'))}</td></tr>"
-        for t in turns)
-    parts.append(f"<h2>Turns</h2><p>All times in ms; texts cut at 160 characters (whole in the data below).</p>"
-                 f"<table>{head}{body}</table>")
-    parts.append("<h2>Definitions</h2><dl>" + "".join(
-        f"<dt>{html.escape(k)}</dt><dd>{html.escape(v)}</dd>" for k, v in DEFINITIONS.items()) + "</dl>")
-    parts.append("<h2>Data</h2><p>" + _data_link(turns_csv(turns), "text/csv", "turns.csv") + " · "
-                 + _data_link(turns_json(turns, meta), "application/json", "turns.json") + "</p></body></html>")
+        for t in turns
+    )
+    parts.append(
+        f"<h2>Turns</h2><p>All times in ms; texts cut at 160 characters (whole in the data below).</p>"
+        f"<table>{head}{body}</table>"
+    )
+    parts.append(
+        "<h2>Definitions</h2><dl>"
+        + "".join(f"<dt>{html.escape(k)}</dt><dd>{html.escape(v)}</dd>" for k, v in DEFINITIONS.items())
+        + "</dl>"
+    )
+    parts.append(
+        "<h2>Data</h2><p>"
+        + _data_link(turns_csv(turns), "text/csv", "turns.csv")
+        + " · "
+        + _data_link(turns_json(turns, meta), "application/json", "turns.json")
+        + "</p></body></html>"
+    )
     return "".join(parts)

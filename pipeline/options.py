@@ -1,12 +1,75 @@
-"""Command-line options shared by every command that runs the voice agent (say, bench-voice, app)."""
+"""Command-line options shared by the commands: the engine's (generate, bench, calibrate and every command that
+runs the voice agent) and the voice agent's (say, bench-voice, app)."""
 
 from __future__ import annotations
 
 import argparse
 
-from specdec.build import add_engine_arguments, spec_from_args
+from specdec.build import DTYPES, EngineSpec
 
 from .agent import AgentConfig
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    d = EngineSpec()
+    parser.add_argument("--target", default=d.target, help="preset, local directory or hub id")
+    parser.add_argument("--draft", default=d.draft, help="draft preset/path/hub id, 'ngram' or 'none'")
+    parser.add_argument("--k", default=d.k, help="drafts per step: an integer or 'adaptive'")
+    parser.add_argument("--k-min", type=int, default=d.k_min)
+    parser.add_argument("--k-max", type=int, default=d.k_max)
+    parser.add_argument("--dtype", default=d.dtype, choices=list(DTYPES))
+    parser.add_argument("--device", default=d.device, help="cpu or cuda")
+    parser.add_argument(
+        "--draft-quant",
+        default=d.draft_quant,
+        choices=["int8", "none"],
+        help="int8: dynamic int8 Linear layers for the draft (CPU)",
+    )
+    parser.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=d.draft_vocab,
+        help="draft LM head over the first N token ids (0: whole vocabulary)",
+    )
+    parser.add_argument(
+        "--max-speculative-sequences",
+        type=int,
+        default=d.max_speculative_sequences,
+        help="speculation pauses while more sequences than this decode at once",
+    )
+    parser.add_argument(
+        "--draft-min-prob",
+        type=float,
+        default=d.draft_min_prob,
+        help="stop drafting where the draft's top token has a lower probability (0: always K; "
+        "default: the draft preset's measured value, 0.35 for qwen-0.5b)",
+    )
+    parser.add_argument(
+        "--no-auto-off",
+        dest="auto_off",
+        action="store_false",
+        help="never let the governor switch speculation off (with a fixed --k, a sampling seed then "
+        "reproduces its answer: see SpeculativeEngine)",
+    )
+
+
+def spec_from_args(args: argparse.Namespace) -> EngineSpec:
+    if args.device == "cuda" and args.draft_quant == "int8":
+        args.draft_quant = "none"  # dynamic int8 is a CPU kernel
+    return EngineSpec(
+        target=args.target,
+        draft=args.draft,
+        k=args.k,
+        k_min=args.k_min,
+        k_max=args.k_max,
+        dtype=args.dtype,
+        device=args.device,
+        draft_quant=args.draft_quant,
+        draft_vocab=args.draft_vocab,
+        max_speculative_sequences=args.max_speculative_sequences,
+        draft_min_prob=args.draft_min_prob,
+        auto_off=args.auto_off,
+    )
 
 
 def add_agent_arguments(parser: argparse.ArgumentParser) -> None:
@@ -14,19 +77,42 @@ def add_agent_arguments(parser: argparse.ArgumentParser) -> None:
     d = AgentConfig()
     parser.add_argument("--asr", default=d.asr_model, help="tiny.en (offline default), base, a directory or hub name")
     parser.add_argument("--tts", default=d.tts, help="hibari (default), piper or coqui")
-    parser.add_argument("--hangover-ms", type=float, default=d.hangover_ms,
-                        help="silence after the last voiced audio that ends the user's turn")
+    parser.add_argument(
+        "--hangover-ms",
+        type=float,
+        default=d.hangover_ms,
+        help="silence after the last voiced audio that ends the user's turn",
+    )
     parser.add_argument("--first-chunk-words", type=int, default=d.first_chunk_words)
     parser.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
     parser.add_argument("--history-turns", type=int, default=d.history_turns)
     parser.add_argument("--temperature", type=float, default=d.temperature)
-    parser.add_argument("--seed", type=int, default=d.seed)
-    parser.add_argument("--llm-url", default=None,
-                        help="use an OpenAI-compatible server (e.g. vLLM) as the LLM stage instead of the engine")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=d.seed,
+        help="sampling seed: the same seed gives the same answer with a fixed --k and --no-auto-off "
+        "(AdaptiveK and the governor decide from measured times)",
+    )
+    parser.add_argument(
+        "--llm-url",
+        default=None,
+        help="use an OpenAI-compatible server (e.g. vLLM) as the LLM stage instead of the engine",
+    )
     parser.add_argument("--llm-url-no-spec", default=None, help="a target-only server for speculation-off turns")
 
 
 def agent_config_from_args(args: argparse.Namespace) -> AgentConfig:
-    return AgentConfig(spec_from_args(args), args.asr, args.tts, args.hangover_ms, args.first_chunk_words,
-                       args.max_new_tokens, args.history_turns, temperature=args.temperature, seed=args.seed,
-                       llm_url=args.llm_url, llm_url_no_spec=args.llm_url_no_spec)
+    return AgentConfig(
+        engine=spec_from_args(args),
+        asr_model=args.asr,
+        tts=args.tts,
+        hangover_ms=args.hangover_ms,
+        first_chunk_words=args.first_chunk_words,
+        max_new_tokens=args.max_new_tokens,
+        history_turns=args.history_turns,
+        temperature=args.temperature,
+        seed=args.seed,
+        llm_url=args.llm_url,
+        llm_url_no_spec=args.llm_url_no_spec,
+    )

@@ -1,4 +1,5 @@
-"""The LLM stage against an OpenAI-compatible server such as vLLM, with the standard library only.
+"""The LLM stage against an OpenAI-compatible server such as vLLM: HTTP and server-sent events with the standard
+library, the Prometheus text format with prometheus_client's parser.
 
 Replies stream from POST /v1/chat/completions (server-sent events). Speculation facts come from the
 server's Prometheus endpoint: vLLM's counters are scraped before and after each reply and the
@@ -10,13 +11,14 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
-import re
 import socket
 import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from specdec.metrics import SpecStats, alpha_from_acceptance_rate
 
@@ -26,26 +28,13 @@ SPEC_PREFIX = "vllm:spec_decode_"
 # Counter names without vLLM's prefix and without the `_total` the Prometheus exposition may add.
 SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos")
 
-_SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\S+)?$")
-_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"')
-
 
 def parse_prometheus(text: str) -> Iterator[tuple[str, dict[str, str], float]]:
-    """Samples of the Prometheus text exposition format: (name, labels, value); comments and timestamps dropped."""
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        m = _SAMPLE.match(line)
-        if not m:
-            continue
-        try:
-            value = float(m.group(3))
-        except ValueError:
-            continue
-        labels = {k: v.replace('\\"', '"').replace("\\n", "\n").replace("\\\\", "\\")
-                  for k, v in _LABEL.findall(m.group(2) or "")}
-        yield m.group(1), labels, value
+    """Samples of the Prometheus text exposition format: (name, labels, value); timestamps dropped.
+    ValueError on text that is not in that format."""
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            yield sample.name, sample.labels, float(sample.value)
 
 
 @dataclass
@@ -60,7 +49,9 @@ class SpecCounters:
     def __sub__(self, before: SpecCounters) -> SpecCounters:
         positions = self.accepted_per_pos.keys() | before.accepted_per_pos.keys()
         return SpecCounters(
-            self.drafts - before.drafts, self.draft_tokens - before.draft_tokens, self.accepted - before.accepted,
+            self.drafts - before.drafts,
+            self.draft_tokens - before.draft_tokens,
+            self.accepted - before.accepted,
             {p: self.accepted_per_pos.get(p, 0.0) - before.accepted_per_pos.get(p, 0.0) for p in positions},
         )
 
@@ -82,12 +73,15 @@ def spec_counters(text: str, model: str | None = None) -> SpecCounters | None:
     Samples labelled with another model_name are left out when some carry `model`'s (a server may host several).
     """
     samples = []
-    for name, labels, value in parse_prometheus(text):
-        if not name.startswith(SPEC_PREFIX):
-            continue
-        short = name[len(SPEC_PREFIX):].removesuffix("_total")
-        if short in SPEC_COUNTERS:
-            samples.append((short, labels, value))
+    try:
+        for name, labels, value in parse_prometheus(text):
+            if not name.startswith(SPEC_PREFIX):
+                continue
+            short = name[len(SPEC_PREFIX) :].removesuffix("_total")
+            if short in SPEC_COUNTERS:
+                samples.append((short, labels, value))
+    except ValueError:  # not a Prometheus page (a proxy's error page, say): no counters to read
+        return None
     if not samples:
         return None
     if model and any(labels.get("model_name") == model for _, labels, _ in samples):
@@ -120,10 +114,18 @@ def add_spec_delta(spec: SpecStats, d: SpecCounters) -> None:
         alpha = alpha_from_acceptance_rate(accepted / proposed if proposed else 0.0, k)
         rejections = round(accepted * (1 - alpha) / alpha) if alpha > 0 else drafts
     # The server's counters, as the in-process engine would have recorded them (a draft is a speculative step).
-    spec.merge(SpecStats(target_forwards=drafts, speculative_steps=drafts, proposed=proposed, accepted=accepted,
-                         emitted=drafts + accepted, rejections=rejections,
-                         per_position_proposed=[drafts] * k,  # vLLM's per-position rate divides by the drafts
-                         per_position_accepted=per_pos))
+    spec.merge(
+        SpecStats(
+            target_forwards=drafts,
+            speculative_steps=drafts,
+            proposed=proposed,
+            accepted=accepted,
+            emitted=drafts + accepted,
+            rejections=rejections,
+            per_position_proposed=[drafts] * k,  # vLLM's per-position rate divides by the drafts
+            per_position_accepted=per_pos,
+        )
+    )
 
 
 def sse_data(lines: Iterable[bytes]) -> Iterator[str]:
@@ -166,9 +168,19 @@ class OpenAICompatibleLLM:
     is given (a target-only server) and otherwise to the same server, with a note in stats.notes.
     """
 
-    def __init__(self, base_url: str, model: str | None = None, *, base_url_no_spec: str | None = None,
-                 api_key: str | None = None, max_tokens: int = 96, temperature: float = 0.0,
-                 timeout_s: float = 60.0, metrics: bool = True, metrics_timeout_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        model: str | None = None,
+        *,
+        base_url_no_spec: str | None = None,
+        api_key: str | None = None,
+        max_tokens: int = 96,
+        temperature: float = 0.0,
+        timeout_s: float = 60.0,
+        metrics: bool = True,
+        metrics_timeout_s: float = 2.0,
+    ) -> None:
         self.name = "openai-compatible"
         self.base_url = _root(base_url)
         self.base_url_no_spec = _root(base_url_no_spec) if base_url_no_spec else None
@@ -183,8 +195,9 @@ class OpenAICompatibleLLM:
 
     # -- HTTP ---------------------------------------------------------------------------------------
 
-    def _open(self, method: str, url: str, body: dict | None, timeout: float
-              ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    def _open(
+        self, method: str, url: str, body: dict | None, timeout: float
+    ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
         """Send a request; a refused connection or an HTTP error becomes a RuntimeError naming the URL."""
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -242,8 +255,13 @@ class OpenAICompatibleLLM:
 
     # -- the stage ----------------------------------------------------------------------------------
 
-    def stream_reply(self, messages: list[dict[str, str]], speculation: bool, stats: ReplyStats,
-                     cancel: threading.Event | None = None) -> Iterator[LLMDelta]:
+    def stream_reply(
+        self,
+        messages: list[dict[str, str]],
+        speculation: bool,
+        stats: ReplyStats,
+        cancel: threading.Event | None = None,
+    ) -> Iterator[LLMDelta]:
         base = self.base_url_no_spec if not speculation and self.base_url_no_spec else self.base_url
         model = self.model_for(base)
         page = self.scrape(base) if self.metrics else None
@@ -253,8 +271,10 @@ class OpenAICompatibleLLM:
         elif before is None and speculation and self.metrics:
             stats.notes.append(f"{base} reports no vllm:spec_decode_* counters: it is not speculating")
         elif before is not None and not speculation and base == self.base_url:
-            stats.notes.append(f"speculation cannot be switched off per request on {base}; this reply used the "
-                               "server's speculative decoding (give base_url_no_spec for a target-only server)")
+            stats.notes.append(
+                f"speculation cannot be switched off per request on {base}; this reply used the "
+                "server's speculative decoding (give base_url_no_spec for a target-only server)"
+            )
         yield from self._stream(base, model, messages, stats, cancel)
         if before is not None:
             self._record_spec(base, model, before, stats)
@@ -272,15 +292,24 @@ class OpenAICompatibleLLM:
                 break
             time.sleep(0.05 * (attempt + 1))
         if delta.emitted > stats.tokens + delta.k + 1:
-            stats.notes.append(f"{base}'s counters include other requests during this reply: acceptance figures "
-                               f"cover {delta.emitted:.0f} tokens, not only this reply's {stats.tokens}")
+            stats.notes.append(
+                f"{base}'s counters include other requests during this reply: acceptance figures "
+                f"cover {delta.emitted:.0f} tokens, not only this reply's {stats.tokens}"
+            )
         add_spec_delta(stats.spec, delta)
 
-    def _stream(self, base: str, model: str, messages: list[dict[str, str]], stats: ReplyStats,
-                cancel: threading.Event | None) -> Iterator[LLMDelta]:
+    def _stream(
+        self, base: str, model: str, messages: list[dict[str, str]], stats: ReplyStats, cancel: threading.Event | None
+    ) -> Iterator[LLMDelta]:
         url = f"{base}/v1/chat/completions"
-        body = {"model": model, "messages": messages, "stream": True, "stream_options": {"include_usage": True},
-                "max_tokens": self.max_tokens, "temperature": self.temperature}
+        body = {
+            "model": model,
+            "messages": messages,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+        }
         conn, resp = self._open("POST", url, body, self.timeout_s)
         done = threading.Event()
         if cancel is not None:
@@ -307,7 +336,9 @@ class OpenAICompatibleLLM:
                     if text:
                         stats.add(1, now)
                         chunk_tokens += 1
-                    yield LLMDelta(text, n, [], 0, 0, now, finish)
+                    yield LLMDelta(
+                        text=text, tokens=n, from_draft=[], drafted=0, accepted=0, t=now, finish_reason=finish
+                    )
         except (OSError, http.client.HTTPException) as e:
             if cancel is None or not cancel.is_set():
                 raise RuntimeError(f"{url}: connection lost mid-reply: {e}") from e
@@ -315,7 +346,15 @@ class OpenAICompatibleLLM:
             done.set()
             conn.close()  # on cancel this is what tells the server to abort the request
         if cancel is not None and cancel.is_set():
-            yield LLMDelta("", 0, [], 0, 0, time.perf_counter(), "cancelled")
+            yield LLMDelta(
+                text="",
+                tokens=0,
+                from_draft=[],
+                drafted=0,
+                accepted=0,
+                t=time.perf_counter(),
+                finish_reason="cancelled",
+            )
         elif usage and usage.get("completion_tokens") is not None:
             # The server's own count: with speculation one chunk often carries several tokens.
             stats.tokens += int(usage["completion_tokens"]) - chunk_tokens

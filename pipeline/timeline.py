@@ -48,8 +48,11 @@ class Timeline:
         return None
 
     def stages_ms(self) -> dict[str, float]:
-        return {name: (self.marks[b] - self.marks[a]) * 1000
-                for name, (a, b) in STAGES.items() if a in self.marks and b in self.marks}
+        return {
+            name: (self.marks[b] - self.marks[a]) * 1000
+            for name, (a, b) in STAGES.items()
+            if a in self.marks and b in self.marks
+        }
 
     def to_dict(self) -> dict:
         t0 = self.marks.get("speech_end")

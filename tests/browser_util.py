@@ -1,6 +1,6 @@
 """Test helpers for the app: the tiny-engine agent (loaded once per test process) and an in-process app server.
 
-    from browser_util import running_app, shared_agent, gated_build, CHROMIUM
+from browser_util import running_app, shared_agent, gated_build, CHROMIUM
 """
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ import contextlib
 import functools
 import json
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -17,24 +16,15 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import soundfile as sf
 
+# Re-exported for the tests: `specvoice bench-heard` launches Chromium and serves the app the same way.
+from app.bench_heard import CHROMIUM as CHROMIUM
+from app.bench_heard import CHROMIUM_ARGS as CHROMIUM_ARGS
+from app.bench_heard import free_port as free_port
+from app.bench_heard import serving, tiny_config
+from app.protocol import WS_PATH
 from app.server import AppServer, ServerOptions
-from pipeline.agent import AgentConfig, VoiceAgent
+from pipeline.agent import VoiceAgent
 from pipeline.audio import SAMPLE_RATE
-from specdec.build import EngineSpec
-
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream",
-                 "--autoplay-policy=no-user-gesture-required"]
-
-
-def tiny_config() -> AgentConfig:
-    """Random tiny target + draft (instant to load, gibberish answers); real ASR and TTS.
-
-    One turn of history: the tiny target's 512-token context holds no more next to the system prompt."""
-    return AgentConfig(engine=EngineSpec(target="tiny-random-target", draft="tiny-random-draft", k="3",
-                                         dtype="float32", draft_quant="none", draft_vocab=0), history_turns=1)
 
 
 @functools.cache
@@ -45,6 +35,7 @@ def shared_agent() -> VoiceAgent:
 
 def gated_build(gate: threading.Event, error: str | None = None) -> Callable:
     """Model loading (for running_app) that waits for gate, then fails with error or gives the shared agent."""
+
     def build(progress: Callable[[int], None]) -> VoiceAgent:
         progress(0)
         gate.wait(30)
@@ -53,45 +44,25 @@ def gated_build(gate: threading.Event, error: str | None = None) -> Callable:
         progress(1)
         progress(2)
         return shared_agent()
+
     return build
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class RunningApp:
-    def __init__(self, server: AppServer, thread: threading.Thread, uv) -> None:
+    def __init__(self, server: AppServer, url: str) -> None:
         self.server = server
-        self.thread = thread
-        self.uv = uv
-        self.url = f"http://127.0.0.1:{server.options.port}"
-        self.ws_url = f"ws://127.0.0.1:{server.options.port}/specvoice/ws"
+        self.url = url
+        self.ws_url = url.replace("http://", "ws://", 1) + WS_PATH
 
 
 @contextlib.contextmanager
 def running_app(build: Callable | None = None, **options) -> Iterator[RunningApp]:
     """`specvoice app` in a thread on a free port; build(progress) -> agent replaces model loading."""
-    import uvicorn
-
-    server = AppServer(tiny_config(), ServerOptions(port=free_port(), **options),
-                       build=build or (lambda progress: shared_agent()))
-    uv = uvicorn.Server(server.uvicorn_config(server.build_app()))
-    thread = threading.Thread(target=uv.run, name="uvicorn", daemon=True)
-    thread.start()
-    server.loader.start()
-    deadline = time.monotonic() + 30
-    while not uv.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("the app server did not start")
-        time.sleep(0.05)
-    try:
-        yield RunningApp(server, thread, uv)
-    finally:
-        uv.should_exit = True
-        thread.join(timeout=10)
+    server = AppServer(
+        tiny_config(), ServerOptions(port=free_port(), **options), build=build or (lambda progress: shared_agent())
+    )
+    with serving(server) as url:
+        yield RunningApp(server, url)
 
 
 def wait_ready(app: RunningApp, timeout: float = 60) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import importlib.util
 import os
 import shutil
@@ -10,6 +12,10 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+import torch
+
+from specdec.build import TINY_ENGINE, EngineSpec
+from specdec.models import LoadedModel, load_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -27,6 +33,54 @@ def real_models() -> None:
         if os.environ.get("CI"):
             pytest.fail(msg)
         pytest.skip(msg)
+
+
+class TinyEngine:
+    """The tiny random target/draft pair (float32, whole draft, no int8): instant to load, gibberish answers.
+    Every test on the tiny engine starts from this one spec; the models load once per test run, on first use."""
+
+    spec = TINY_ENGINE
+
+    def spec_with(self, **changes: object) -> EngineSpec:
+        """The spec with some fields changed, e.g. the draft's levers: spec_with(draft_quant="int8")."""
+        return dataclasses.replace(self.spec, **changes)
+
+    @property
+    def cli_args(self) -> list[str]:
+        """The same spec as `specvoice` options."""
+        s = self.spec
+        return [
+            "--target",
+            s.target,
+            "--draft",
+            s.draft,
+            "--k",
+            s.k,
+            "--dtype",
+            s.dtype,
+            "--draft-quant",
+            s.draft_quant,
+            "--draft-vocab",
+            str(s.draft_vocab),
+        ]
+
+    @functools.cached_property
+    def target(self) -> LoadedModel:
+        return load_model(self.spec.target, getattr(torch, self.spec.dtype))
+
+    @functools.cached_property
+    def draft(self) -> LoadedModel:
+        return load_model(self.spec.draft, getattr(torch, self.spec.dtype))
+
+    @property
+    def models(self) -> tuple[LoadedModel, LoadedModel]:
+        return self.target, self.draft
+
+
+@pytest.fixture(scope="session")
+def tiny_engine() -> TinyEngine:
+    """Shared by the whole run: no test changes the loaded models (tests that quantize load their own)."""
+    return TinyEngine()
 
 
 def tool(name: str) -> str:

@@ -19,8 +19,10 @@ import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-DEFAULT_REPLY = ("Sure. The capital of France is Paris, a city on the Seine known for its museums, cafés and "
-                 "the Eiffel Tower, which was built for the world fair of 1889.")
+DEFAULT_REPLY = (
+    "Sure. The capital of France is Paris, a city on the Seine known for its museums, cafés and "
+    "the Eiffel Tower, which was built for the world fair of 1889."
+)
 
 
 def tokenize(text: str) -> list[str]:
@@ -31,10 +33,19 @@ def tokenize(text: str) -> list[str]:
 
 
 class FakeVLLM:
-    def __init__(self, reply: str = DEFAULT_REPLY, model: str = "meta-llama/Meta-Llama-3-70B-Instruct", k: int = 4,
-                 accept_pattern: tuple[int, ...] = (4, 2, 3, 0, 4, 1), speculative: bool = True,
-                 step_delay_s: float = 0.0, first_token_delay_s: float = 0.0, total_suffix: bool = True,
-                 honor_usage: bool = True, background_drafts_per_step: int = 0) -> None:
+    def __init__(
+        self,
+        reply: str = DEFAULT_REPLY,
+        model: str = "meta-llama/Meta-Llama-3-70B-Instruct",
+        k: int = 4,
+        accept_pattern: tuple[int, ...] = (4, 2, 3, 0, 4, 1),
+        speculative: bool = True,
+        step_delay_s: float = 0.0,
+        first_token_delay_s: float = 0.0,
+        total_suffix: bool = True,
+        honor_usage: bool = True,
+        background_drafts_per_step: int = 0,
+    ) -> None:
         self.tokens = tokenize(reply)
         self.model = model
         self.k = k
@@ -132,12 +143,13 @@ class FakeVLLM:
             counter("vllm:generation_tokens", "Number of generation tokens processed.", [(labels, self.generated)])
             if self.speculative:
                 counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", [(labels, self.drafts)])
-                counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.",
-                        [(labels, self.draft_tokens)])
-                counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
-                        [(labels, self.accepted)])
-                counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
-                        [(f'{labels},position="{j}"', v) for j, v in enumerate(self.per_pos)])
+                counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", [(labels, self.draft_tokens)])
+                counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", [(labels, self.accepted)])
+                counter(
+                    "vllm:spec_decode_num_accepted_tokens_per_pos",
+                    "Accepted tokens per draft position.",
+                    [(f'{labels},position="{j}"', v) for j, v in enumerate(self.per_pos)],
+                )
         return "\n".join(out) + "\n"
 
 
@@ -170,9 +182,22 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path == "/metrics":
             self._send(200, fake.metrics_text().encode(), "text/plain; version=0.0.4; charset=utf-8")
         elif self.path == "/v1/models":
-            self._json(200, {"object": "list", "data": [{"id": fake.model, "object": "model",
-                                                         "created": int(fake.created), "owned_by": "vllm",
-                                                         "root": fake.model, "parent": None}]})
+            self._json(
+                200,
+                {
+                    "object": "list",
+                    "data": [
+                        {
+                            "id": fake.model,
+                            "object": "model",
+                            "created": int(fake.created),
+                            "owned_by": "vllm",
+                            "root": fake.model,
+                            "parent": None,
+                        }
+                    ],
+                },
+            )
         else:
             self._json(404, {"detail": "Not Found"})
 
@@ -184,12 +209,28 @@ class _Handler(BaseHTTPRequestHandler):
             return
         fake.requests.append(body)
         if body.get("model") != fake.model:
-            self._json(404, {"object": "error", "message": f"The model `{body.get('model')}` does not exist.",
-                             "type": "NotFoundError", "param": None, "code": 404})
+            self._json(
+                404,
+                {
+                    "object": "error",
+                    "message": f"The model `{body.get('model')}` does not exist.",
+                    "type": "NotFoundError",
+                    "param": None,
+                    "code": 404,
+                },
+            )
             return
         if not body.get("stream"):
-            self._json(400, {"object": "error", "message": "this fake only streams", "type": "BadRequestError",
-                             "param": None, "code": 400})
+            self._json(
+                400,
+                {
+                    "object": "error",
+                    "message": "this fake only streams",
+                    "type": "BadRequestError",
+                    "param": None,
+                    "code": 400,
+                },
+            )
             return
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream; charset=utf-8")
@@ -215,8 +256,13 @@ class _Handler(BaseHTTPRequestHandler):
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
             if finish:
                 choice["stop_reason"] = None
-            return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": fake.model,
-                    "choices": [choice]}
+            return {
+                "id": rid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": fake.model,
+                "choices": [choice],
+            }
 
         self._event(chunk({"role": "assistant", "content": ""}))
         max_tokens = int(body.get("max_tokens") or 1 << 30)
@@ -226,7 +272,7 @@ class _Handler(BaseHTTPRequestHandler):
         for i, (emit, accepted) in enumerate(plan):
             if i:
                 time.sleep(fake.step_delay_s)
-            text = "".join(fake.tokens[sent:sent + emit])
+            text = "".join(fake.tokens[sent : sent + emit])
             sent += emit
             last = i == len(plan) - 1
             finish = None if not last else ("length" if sent < len(fake.tokens) else "stop")
@@ -236,9 +282,16 @@ class _Handler(BaseHTTPRequestHandler):
                 fake.generated += emit
         if fake.honor_usage and (body.get("stream_options") or {}).get("include_usage"):
             prompt = sum(len(tokenize(m.get("content", "").strip())) for m in body.get("messages", []))
-            self._event({"id": rid, "object": "chat.completion.chunk", "created": created, "model": fake.model,
-                         "choices": [], "usage": {"prompt_tokens": prompt, "total_tokens": prompt + sent,
-                                                  "completion_tokens": sent}})
+            self._event(
+                {
+                    "id": rid,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": fake.model,
+                    "choices": [],
+                    "usage": {"prompt_tokens": prompt, "total_tokens": prompt + sent, "completion_tokens": sent},
+                }
+            )
         self._event("[DONE]")
         self.wfile.write(b"0\r\n\r\n")
         self.wfile.flush()

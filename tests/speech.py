@@ -1,6 +1,6 @@
 """Test helper: real speech from espeak-ng, so audio tests need no recordings or downloads.
 
-    from speech import ESPEAK, needs_espeak, speak
+from speech import ESPEAK, needs_espeak, speak
 """
 
 from __future__ import annotations

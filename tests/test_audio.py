@@ -120,8 +120,11 @@ def test_load_audio_webm_opus_via_ffmpeg(tmp_path):
     # What a browser's MediaRecorder sends; libsndfile cannot read it.
     src, webm = tmp_path / "a.wav", tmp_path / "a.webm"
     src.write_bytes(wav_bytes(tone(48000), 48000))
-    subprocess.run(["ffmpeg", "-nostdin", "-loglevel", "error", "-i", str(src), "-c:a", "libopus", str(webm)],
-                   check=True, timeout=30)
+    subprocess.run(
+        ["ffmpeg", "-nostdin", "-loglevel", "error", "-i", str(src), "-c:a", "libopus", str(webm)],
+        check=True,
+        timeout=30,
+    )
     samples, rate = load_audio(webm.read_bytes())
     assert rate == SAMPLE_RATE and samples.dtype == np.float32
     assert abs(len(samples) - 8000) < 800

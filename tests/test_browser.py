@@ -7,9 +7,8 @@ microphone; the server runs in-process with the tiny random engine (gibberish an
 
 from __future__ import annotations
 
-import json
+import math
 import os
-import statistics
 import threading
 
 import pytest
@@ -20,6 +19,7 @@ from app.server import ModelLoader
 
 pytestmark = [
     pytest.mark.browser,
+    pytest.mark.models,  # real ASR and TTS behind the page
     needs_espeak,
     pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="Debian chromium is not installed"),
 ]
@@ -28,7 +28,6 @@ playwright = pytest.importorskip("playwright.sync_api")
 QUESTION = "What is the capital of France?"
 SCREENSHOT = "/tmp/specvoice_app.png"
 VOICE_TURN = "Object.values(specvoice.turns).find(t => t.kind === 'voice')"  # the one question the microphone asks
-HEARD_LOG = "/tmp/specvoice_heard_delay.json"
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +44,9 @@ def browser(tmp_path_factory):
     with playwright.sync_playwright() as p:
         # %noloop: a looping file asks again ~4 s after the question ends, a barge-in that cancels an answer not
         # heard yet, so a spoken turn would be answered only if it beat that hidden deadline (a cold first run did not).
-        b = p.chromium.launch(executable_path=CHROMIUM,
-                              args=[*CHROMIUM_ARGS, f"--use-file-for-fake-audio-capture={wav}%noloop"])
+        b = p.chromium.launch(
+            executable_path=CHROMIUM, args=[*CHROMIUM_ARGS, f"--use-file-for-fake-audio-capture={wav}%noloop"]
+        )
         yield b
         b.close()
 
@@ -65,8 +65,10 @@ def page(browser, app):
 
 
 def last_turn(page) -> dict:
-    return page.evaluate("(() => { const t = specvoice.turns[specvoice.current]; "
-                         "return {...t, pieces: t.pieces.length, steps: t.steps.length}; })()")
+    return page.evaluate(
+        "(() => { const t = specvoice.turns[specvoice.current]; "
+        "return {...t, pieces: t.pieces.length, steps: t.steps.length}; })()"
+    )
 
 
 def typed_turn(page, text: str, heard: bool = True) -> dict:
@@ -74,8 +76,9 @@ def typed_turn(page, text: str, heard: bool = True) -> dict:
     page.fill("#text-input", text)
     page.press("#text-input", "Enter")
     cond = "t.data" + (" && t.heard" if heard else "")
-    page.wait_for_function(f"specvoice.order.length > {before} && (t => {cond})(specvoice.turns[specvoice.current])",
-                           timeout=30_000)
+    page.wait_for_function(
+        f"specvoice.order.length > {before} && (t => {cond})(specvoice.turns[specvoice.current])", timeout=30_000
+    )
     return last_turn(page)
 
 
@@ -205,21 +208,17 @@ def test_export_downloads_a_report(page, tmp_path):
 
 
 def test_heard_delay_over_five_turns(page, app):
-    delays, methods, details = [], set(), []
+    """Every turn is reported heard, after its server-side first audio, with figures the page and the server agree
+    on. How long the delay is, is measured by `specvoice bench-heard`, not asserted here."""
+    session = app.server.sessions[page.evaluate("specvoice.token")]
     for i in range(5):
         turn = typed_turn(page, f"Question number {i + 1}, please answer.")
-        delays.append(turn["heard"]["heard_delay_ms"])
+        heard, data = turn["heard"], turn["data"]
         report = page.evaluate(f"specvoice.heardReports.find(r => r.turn === {turn['turn']})")
-        methods.add(report["method"])
-        details.append(report)
-    median = statistics.median(delays)
-    session = app.server.sessions[page.evaluate("specvoice.token")]
-    server_side = [{k: t.get(k) for k in ("turn", "ttfa_ms", "ttfa_heard_ms", "heard_delay_ms", "heard_detail",
-                                          "clock_rtt_ms")} for t in session.turns]
-    with open(HEARD_LOG, "w") as f:
-        json.dump({"heard_delay_ms": delays, "median": median, "page_reports": details, "server": server_side}, f,
-                  indent=2)
-    print(f"heard_delay_ms over {len(delays)} turns: {[round(d) for d in delays]}, median {median:.0f} ms, "
-          f"via {sorted(methods)}")
-    assert all(0 < d < 2000 for d in delays), delays
-    assert median < 500, f"heard delay median {median:.0f} ms (goal ≤ 150 ms)"
+        assert report and report["method"] in ("getOutputTimestamp", "currentTime+outputLatency"), report
+        record = next(t for t in session.turns if t["turn"] == turn["turn"])
+        assert math.isfinite(heard["heard_delay_ms"]) and heard["heard_delay_ms"] >= 0, heard
+        assert heard["ttfa_heard_ms"] >= record["ttfa_ms"] > 0, (heard, record["ttfa_ms"])
+        assert data["ttfa_ms"] == record["ttfa_ms"] and heard["heard_method"] == report["method"]
+        for key in ("heard_delay_ms", "ttfa_heard_ms", "heard_method", "clock_rtt_ms"):
+            assert heard[key] == record[key], key

@@ -6,7 +6,7 @@ from pipeline.chunker import SpeechChunker
 
 
 def deltas(text: str, size: int) -> list[str]:
-    return [text[i:i + size] for i in range(0, len(text), size)]
+    return [text[i : i + size] for i in range(0, len(text), size)]
 
 
 def run(text: str, size: int = 3, **kwargs) -> list[str]:
@@ -19,8 +19,12 @@ def run(text: str, size: int = 3, **kwargs) -> list[str]:
 @pytest.mark.parametrize("size", [1, 2, 3, 7, 1000])
 def test_first_chunk_after_n_words_then_sentences(size):
     text = "The capital of France is Paris. It is known for the Eiffel Tower. Anything else?"
-    assert run(text, size) == ["The capital of France", "is Paris.", "It is known for the Eiffel Tower.",
-                               "Anything else?"]
+    assert run(text, size) == [
+        "The capital of France",
+        "is Paris.",
+        "It is known for the Eiffel Tower.",
+        "Anything else?",
+    ]
 
 
 def test_first_chunk_cut_at_clause_boundary():
@@ -45,8 +49,10 @@ def test_word_is_complete_only_when_whitespace_follows():
 
 @pytest.mark.parametrize("size", [1, 2, 5])
 def test_numbers_and_abbreviations_are_never_cut(size):
-    text = ("So here it is: pi is 3.14 and e.g. a grand is 1,000 dollars. Mr. Smith and J. K. Rowling met in "
-            "the U.S. on 3.5.2024 at 7:30 pm. Done.")
+    text = (
+        "So here it is: pi is 3.14 and e.g. a grand is 1,000 dollars. Mr. Smith and J. K. Rowling met in "
+        "the U.S. on 3.5.2024 at 7:30 pm. Done."
+    )
     chunks = run(text, size)
     assert chunks[0] == "So here it is:"
     assert chunks[1] == "pi is 3.14 and e.g. a grand is 1,000 dollars."
@@ -57,7 +63,12 @@ def test_numbers_and_abbreviations_are_never_cut(size):
 
 def test_sentence_end_at_number_and_question_marks():
     assert run("The value is now known. It is 42. Is that right? Yes!") == [
-        "The value is now", "known.", "It is 42.", "Is that right?", "Yes!"]
+        "The value is now",
+        "known.",
+        "It is 42.",
+        "Is that right?",
+        "Yes!",
+    ]
 
 
 def test_markdown_symbols_stripped_even_across_deltas():

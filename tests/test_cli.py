@@ -6,18 +6,16 @@ import sys
 
 from conftest import ROOT
 
-TINY = ["--target", "tiny-random-target", "--draft", "tiny-random-draft", "--dtype", "float32",
-        "--draft-quant", "none", "--draft-vocab", "0"]
-
 
 def specvoice(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "app.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, check=check)
+    return subprocess.run(
+        [sys.executable, "-m", "app.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=300, check=check
+    )
 
 
-def test_generate_writes_tokens_and_metrics(tmp_path):
+def test_generate_writes_tokens_and_metrics(tiny_engine, tmp_path):
     out = tmp_path / "gen.json"
-    specvoice("generate", *TINY, "--k", "3", "--prompt", "hello", "--max-new-tokens", "24", "--json", str(out))
+    specvoice("generate", *tiny_engine.cli_args, "--prompt", "hello", "--max-new-tokens", "24", "--json", str(out))
     data = json.loads(out.read_text())
     assert len(data["tokens"]) == 24
     assert data["proposed"] > 0 and 0 <= data["draft_acceptance_rate"] <= 1
@@ -25,19 +23,29 @@ def test_generate_writes_tokens_and_metrics(tmp_path):
     assert sum(len(e["emitted"]) for e in data["events"]) == 24
 
 
-def test_generate_rejects_bad_input_clearly():
-    proc = specvoice("generate", *TINY, "--prompt", "   ", check=False)
+def test_generate_rejects_bad_input_clearly(tiny_engine):
+    proc = specvoice("generate", *tiny_engine.cli_args, "--prompt", "   ", check=False)
     assert proc.returncode == 2 and "empty prompt" in proc.stderr and "Traceback" not in proc.stderr
     proc = specvoice("generate", "--target", "nope", "--draft", "none", "--prompt", "hi", check=False)
     assert proc.returncode == 2 and "unknown model 'nope'" in proc.stderr
 
 
-def test_bench_side_by_side_json(tmp_path):
+def test_bench_side_by_side_json(tiny_engine, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"category": "a", "prompt": "hello"}\n{"category": "b", "prompt": "count: 1 2 3"}\n')
     out = tmp_path / "bench.json"
-    specvoice("bench", *TINY, "--k", "3", "--prompts", str(prompts), "--max-new-tokens", "16", "--compare", "hf",
-              "--json", str(out))
+    specvoice(
+        "bench",
+        *tiny_engine.cli_args,
+        "--prompts",
+        str(prompts),
+        "--max-new-tokens",
+        "16",
+        "--compare",
+        "hf",
+        "--json",
+        str(out),
+    )
     data = json.loads(out.read_text())
     assert len(data["prompts"]) == 2
     for p in data["prompts"]:
@@ -47,15 +55,31 @@ def test_bench_side_by_side_json(tmp_path):
         assert p["hf_assisted"]["identical_to_baseline"]
     s = data["summary"]
     assert s["greedy_identical_fraction"] == 1.0
-    for key in ("speedup_median", "speedup_vs_hf_median", "draft_acceptance_rate", "expected_speedup",
-                "bound_attainment"):
+    for key in (
+        "speedup_median",
+        "speedup_vs_hf_median",
+        "draft_acceptance_rate",
+        "expected_speedup",
+        "bound_attainment",
+    ):
         assert isinstance(s[key], float)
     assert set(s["per_category"]) == {"a", "b"}
 
 
-def test_calibrate_fits_and_compares_every_k(tmp_path):
+def test_calibrate_fits_and_compares_every_k(tiny_engine, tmp_path):
     out = tmp_path / "cal.json"
-    specvoice("calibrate", *TINY, "--k-values", "1,3", "--repeats", "1", "--max-new-tokens", "8", "--json", str(out))
+    specvoice(
+        "calibrate",
+        *tiny_engine.cli_args,
+        "--k-values",
+        "1,3",
+        "--repeats",
+        "1",
+        "--max-new-tokens",
+        "8",
+        "--json",
+        str(out),
+    )
     data = json.loads(out.read_text())
     assert list(data["target_forward_s_by_tokens"]) == [str(n) for n in range(1, 17)]
     assert data["verify_fit"]["intercept_s"] > 0 and data["draft_cost_ratio"] > 0
@@ -64,10 +88,12 @@ def test_calibrate_fits_and_compares_every_k(tmp_path):
         assert row["predicted_speedup"] > 0 and row["measured_speedup"] > 0
 
 
-def test_bench_rejects_bad_prompt_file(tmp_path):
+def test_bench_rejects_bad_prompt_file(tiny_engine, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text("not json\n")
-    proc = specvoice("bench", *TINY, "--prompts", str(bad), "--json", str(tmp_path / "x.json"), check=False)
+    proc = specvoice(
+        "bench", *tiny_engine.cli_args, "--prompts", str(bad), "--json", str(tmp_path / "x.json"), check=False
+    )
     assert proc.returncode == 2 and "not JSON" in proc.stderr
 
 

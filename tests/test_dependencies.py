@@ -11,7 +11,7 @@ import sys
 import tomllib
 from conftest import ROOT
 
-PACKAGES = ("specdec", "pipeline", "app")
+PACKAGES = ("specdec", "pipeline", "casestudy", "app")
 # Imported only where a user picks that option, with an error saying what to install.
 OPTIONAL = {"TTS": "Coqui TTS (--tts coqui), which cannot run on a CPU-only torch"}
 

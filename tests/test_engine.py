@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from specdec.build import EngineSpec, IncompatibleDraftError, build_engine, check_pair, k_policy_factory
+from specdec.build import IncompatibleDraftError, build_engine, check_pair, k_policy_factory
 from specdec.drafters import DraftModelDrafter, NGramDrafter, Proposal
 from specdec.engine import GenerationConfig, PromptError, SpeculativeEngine, collect
 from specdec.kpolicy import AdaptiveK, SpeculationGovernor
@@ -17,13 +17,6 @@ from specdec.models import ModelLoadError, check_memory, load_model
 from specdec.sampling import SamplingParams
 
 PROMPTS = ["hello there", "what is two plus two?", "tell me a story about a cat", "a b a b a b a b", "x"]
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    target = load_model("tiny-random-target", torch.float32)
-    draft = load_model("tiny-random-draft", torch.float32)
-    return target, draft
 
 
 def make_engine(target, drafter_factory, k="4", **kw):
@@ -41,8 +34,8 @@ def draft_factory(draft):
 
 @pytest.mark.parametrize("k", ["1", "2", "4", "7", "adaptive"])
 @pytest.mark.parametrize("drafter", ["model", "ngram"])
-def test_greedy_output_identical_to_target_only(tiny, k, drafter):
-    target, draft = tiny
+def test_greedy_output_identical_to_target_only(tiny_engine, k, drafter):
+    target, draft = tiny_engine.models
     factory = draft_factory(draft) if drafter == "model" else NGramDrafter
     engine = make_engine(target, factory, k)
     proposed = 0
@@ -55,8 +48,8 @@ def test_greedy_output_identical_to_target_only(tiny, k, drafter):
     assert proposed > 0  # speculation really ran
 
 
-def test_draft_acceptance_is_partial_so_rejections_are_exercised(tiny):
-    target, draft = tiny
+def test_draft_acceptance_is_partial_so_rejections_are_exercised(tiny_engine):
+    target, draft = tiny_engine.models
     engine = make_engine(target, draft_factory(draft), "4")
     stats = SpecStats()
     for text in PROMPTS:
@@ -67,20 +60,19 @@ def test_draft_acceptance_is_partial_so_rejections_are_exercised(tiny):
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_greedy_identical_across_seeds_of_draft_noise(seed):
+def test_greedy_identical_across_seeds_of_draft_noise(tiny_engine, seed):
     from specdec.models import build_tiny_random
 
-    target = load_model("tiny-random-target", torch.float32)
+    target = tiny_engine.target
     draft_model = build_tiny_random(100 + seed)
     engine = make_engine(target, lambda: DraftModelDrafter(draft_model, target.device), "3")
     ids = target.tokenizer.chat_ids([{"role": "user", "content": f"seed {seed} prompt"}])
     assert collect(engine.stream(ids, GenerationConfig(30)))[0] == target_only(target, ids, 30)
 
 
-def test_vocab_restricted_draft_stays_lossless(tiny):
-    target, _ = tiny
-    spec = EngineSpec("tiny-random-target", "tiny-random-draft", "3", dtype="float32", draft_quant="int8",
-                      draft_vocab=120)
+def test_vocab_restricted_draft_stays_lossless(tiny_engine):
+    target = tiny_engine.target
+    spec = tiny_engine.spec_with(draft_quant="int8", draft_vocab=120)
     engine, _ = build_engine(spec)
     engine.auto_off = False
     engine.target = target
@@ -90,8 +82,8 @@ def test_vocab_restricted_draft_stays_lossless(tiny):
 
 
 @torch.inference_mode()
-def test_cache_rollback_matches_fresh_forward(tiny):
-    target, _ = tiny
+def test_cache_rollback_matches_fresh_forward(tiny_engine):
+    target = tiny_engine.target
     cache = PrefixCache(target.model, target.device)
     ids = list(range(10, 40))
     cache.extend(ids + [50, 51, 52], n_logits=4)
@@ -103,8 +95,8 @@ def test_cache_rollback_matches_fresh_forward(tiny):
 
 
 @torch.inference_mode()
-def test_padded_single_token_feed_gives_the_unpadded_logits(tiny):
-    target, _ = tiny
+def test_padded_single_token_feed_gives_the_unpadded_logits(tiny_engine):
+    target = tiny_engine.target
     plain, padded = PrefixCache(target.model, target.device), PrefixCache(target.model, target.device, min_feed=2)
     ids = list(range(10, 30))
     for cache in (plain, padded):
@@ -117,12 +109,12 @@ def test_padded_single_token_feed_gives_the_unpadded_logits(tiny):
     assert torch.allclose(padded.extend(ids + [40, 41, 42])[-1], plain.extend(ids + [40, 41, 42])[-1], atol=1e-4)
 
 
-def test_greedy_identical_with_confidence_gate(tiny):
-    target, draft = tiny
+def test_greedy_identical_with_confidence_gate(tiny_engine):
+    target, draft = tiny_engine.models
     ids = target.tokenizer.chat_ids([{"role": "user", "content": "tell me a story about a cat"}])
     with torch.inference_mode():  # a gate at the draft's median confidence along the answer: it must bite sometimes
         answer = target_only(target, ids, 40)
-        conf = torch.softmax(draft.model(torch.tensor([ids + answer])).logits[0, len(ids) - 1:-1], -1).amax(-1)
+        conf = torch.softmax(draft.model(torch.tensor([ids + answer])).logits[0, len(ids) - 1 : -1], -1).amax(-1)
     gate = float(conf.median())
     engine = make_engine(target, lambda: DraftModelDrafter(draft.model, draft.device, min_prob=gate), "4")
     spec, events = collect(engine.stream(ids, GenerationConfig(40)))
@@ -132,8 +124,8 @@ def test_greedy_identical_with_confidence_gate(tiny):
     assert min(early) < 4 and max(early) == 4
 
 
-def test_greedy_identical_with_padded_feeds(tiny):
-    target, draft = tiny
+def test_greedy_identical_with_padded_feeds(tiny_engine):
+    target, draft = tiny_engine.models
     ids = target.tokenizer.chat_ids([{"role": "user", "content": "tell me a story about a cat"}])
     want = target_only(target, ids, 40)
     padded_target = dataclasses.replace(target, min_feed=2)
@@ -143,9 +135,9 @@ def test_greedy_identical_with_padded_feeds(tiny):
 
 
 @pytest.mark.parametrize("one_row_ms,two_rows_ms,want", [(243, 190, 2), (30, 32, 1)])
-def test_fastest_min_feed_picks_the_faster_width(tiny, monkeypatch, one_row_ms, two_rows_ms, want):
+def test_fastest_min_feed_picks_the_faster_width(tiny_engine, monkeypatch, one_row_ms, two_rows_ms, want):
     """On a clock that a one-token forward advances by one_row_ms and a padded two-token one by two_rows_ms."""
-    target, _ = tiny
+    target = tiny_engine.target
     clock = {"ms": 0.0}
     cost = {1: one_row_ms, 2: two_rows_ms}
 
@@ -173,11 +165,12 @@ def test_adaptive_k_moves_with_acceptance():
     assert low.k == 3
 
 
-def test_adaptive_k_runs_in_engine_within_bounds(tiny):
-    target, draft = tiny
+def test_adaptive_k_runs_in_engine_within_bounds(tiny_engine):
+    target, draft = tiny_engine.models
     engine = make_engine(target, draft_factory(draft), "adaptive")
-    _, events = collect(engine.stream(target.tokenizer.chat_ids([{"role": "user", "content": "go"}]),
-                                      GenerationConfig(100)))
+    _, events = collect(
+        engine.stream(target.tokenizer.chat_ids([{"role": "user", "content": "go"}]), GenerationConfig(100))
+    )
     produced, ks = 0, set()
     for ev in events:
         if 100 - produced > 7:  # near the end the token budget caps K below k_min
@@ -200,8 +193,8 @@ def test_governor_switches_off_when_measured_slower():
     assert fast.off_reason == "" and not fast.wants_probe
 
 
-def test_engine_reports_auto_off_and_stays_lossless(tiny):
-    target, _ = tiny
+def test_engine_reports_auto_off_and_stays_lossless(tiny_engine):
+    target = tiny_engine.target
 
     class SlowUselessDrafter(NGramDrafter):
         def propose(self, context, k, params, generator):
@@ -218,8 +211,8 @@ def test_engine_reports_auto_off_and_stays_lossless(tiny):
     assert events[-1].k_planned == 0
 
 
-def test_drafter_failing_mid_answer_falls_back_and_keeps_tokens(tiny):
-    target, draft = tiny
+def test_drafter_failing_mid_answer_falls_back_and_keeps_tokens(tiny_engine):
+    target, draft = tiny_engine.models
     calls = {"n": 0}
 
     class Flaky(DraftModelDrafter):
@@ -238,8 +231,8 @@ def test_drafter_failing_mid_answer_falls_back_and_keeps_tokens(tiny):
     assert all(ev.k_planned == 0 for ev in events[3:])
 
 
-def test_speculation_pauses_above_concurrency_limit(tiny):
-    target, draft = tiny
+def test_speculation_pauses_above_concurrency_limit(tiny_engine):
+    target, draft = tiny_engine.models
     engine = make_engine(target, draft_factory(draft), "3", max_speculative_sequences=0)
     ids = target.tokenizer.chat_ids([{"role": "user", "content": "hello"}])
     tokens, events = collect(engine.stream(ids, GenerationConfig(10)))
@@ -247,8 +240,8 @@ def test_speculation_pauses_above_concurrency_limit(tiny):
     assert tokens == target_only(target, ids, 10)
 
 
-def test_cancel_stops_promptly(tiny):
-    target, draft = tiny
+def test_cancel_stops_promptly(tiny_engine):
+    target, draft = tiny_engine.models
     engine = make_engine(target, draft_factory(draft), "3")
     cancel = threading.Event()
     ids = target.tokenizer.chat_ids([{"role": "user", "content": "hello"}])
@@ -259,8 +252,8 @@ def test_cancel_stops_promptly(tiny):
     assert len(events) == 2 and events[1].finish_reason == "cancelled" and events[1].tokens == []
 
 
-def test_length_and_context_limits(tiny):
-    target, draft = tiny
+def test_length_and_context_limits(tiny_engine):
+    target, draft = tiny_engine.models
     engine = make_engine(target, draft_factory(draft), "4")
     ids = target.tokenizer.chat_ids([{"role": "user", "content": "hello"}])
     tokens, events = collect(engine.stream(ids, GenerationConfig(7)))
@@ -270,8 +263,8 @@ def test_length_and_context_limits(tiny):
     assert len(tokens) == 5 and events[-1].finish_reason == "context"
 
 
-def test_bad_inputs_give_clear_errors(tiny):
-    target, draft = tiny
+def test_bad_inputs_give_clear_errors(tiny_engine):
+    target, draft = tiny_engine.models
     engine = make_engine(target, draft_factory(draft))
     with pytest.raises(PromptError, match="empty prompt"):
         list(engine.stream([], GenerationConfig(5)))
@@ -287,8 +280,8 @@ def test_bad_inputs_give_clear_errors(tiny):
         check_memory([("huge", 1 << 50)], torch.device("cpu"))
 
 
-def test_incompatible_tokenizers_are_refused(tiny):
-    target, draft = tiny
+def test_incompatible_tokenizers_are_refused(tiny_engine):
+    target, draft = tiny_engine.models
 
     class OtherVocab:
         eos_token_ids = {0}
@@ -301,11 +294,11 @@ def test_incompatible_tokenizers_are_refused(tiny):
         check_pair(target, other)
 
 
-def test_session_reuses_prefix_and_stays_lossless(tiny):
+def test_session_reuses_prefix_and_stays_lossless(tiny_engine):
     from specdec.engine import EngineSession
     from specdec.tokenizer import shared_prefix_ids
 
-    target, draft = tiny
+    target, draft = tiny_engine.models
     engine = make_engine(target, draft_factory(draft), "3")
     session = EngineSession(engine)
     system = shared_prefix_ids(target.tokenizer, "be brief")
@@ -323,11 +316,11 @@ def test_session_reuses_prefix_and_stays_lossless(tiny):
     assert session.target.tokens == system and session.drafter.cache.tokens == system
 
 
-def test_session_with_prompt_already_cached_stays_lossless(tiny):
+def test_session_with_prompt_already_cached_stays_lossless(tiny_engine):
     """A repeated turn finds its whole prompt cached; verification must still line up its logits."""
     from specdec.engine import EngineSession
 
-    target, draft = tiny
+    target, draft = tiny_engine.models
     engine = make_engine(target, draft_factory(draft), "4")
     session = EngineSession(engine)
     ids = target.tokenizer.chat_ids([{"role": "user", "content": "same question"}])
@@ -337,10 +330,10 @@ def test_session_with_prompt_already_cached_stays_lossless(tiny):
         assert tokens == expected, speculate
 
 
-def test_draft_model_crashing_inside_its_forward_leaves_a_usable_session(tiny):
+def test_draft_model_crashing_inside_its_forward_leaves_a_usable_session(tiny_engine):
     from specdec.engine import EngineSession
 
-    target, draft = tiny
+    target, draft = tiny_engine.models
 
     class CrashOnce(torch.nn.Module):
         def __init__(self, inner):
@@ -381,13 +374,14 @@ class RecordingK:
         self.seen.append((n_accepted, k_drafted, draft_forwards))
 
 
-def test_a_draft_forward_that_proposes_nothing_is_still_a_speculative_step(tiny):
+def test_a_draft_forward_that_proposes_nothing_is_still_a_speculative_step(tiny_engine):
     """The confidence gate can stop before the first draft: its forward ran, so stats, K policy and events count
     it, and every target forward is in tokens_per_target_forward."""
-    target, draft = tiny
+    target, draft = tiny_engine.models
     policy = RecordingK(4)
-    engine = SpeculativeEngine(target, lambda: DraftModelDrafter(draft.model, draft.device, min_prob=1.01),
-                               lambda: policy, auto_off=False)
+    engine = SpeculativeEngine(
+        target, lambda: DraftModelDrafter(draft.model, draft.device, min_prob=1.01), lambda: policy, auto_off=False
+    )
     ids = target.tokenizer.chat_ids([{"role": "user", "content": "hello"}])
     stats = SpecStats()
     tokens, events = collect(engine.stream(ids, GenerationConfig(12), stats=stats))
@@ -398,8 +392,8 @@ def test_a_draft_forward_that_proposes_nothing_is_still_a_speculative_step(tiny)
     assert policy.seen[0] == (0, 0, 1)
 
 
-def test_governor_switches_off_a_drafter_that_only_costs_time(tiny):
-    target, _ = tiny
+def test_governor_switches_off_a_drafter_that_only_costs_time(tiny_engine):
+    target = tiny_engine.target
 
     class SlowSilentDrafter(NGramDrafter):
         def propose(self, context, k, params, generator):
@@ -415,10 +409,10 @@ def test_governor_switches_off_a_drafter_that_only_costs_time(tiny):
     assert any("switched off" in ev.note for ev in events) and not events[-1].speculative
 
 
-def test_drafts_past_eos_are_not_counted(tiny):
+def test_drafts_past_eos_are_not_counted(tiny_engine):
     """An oracle drafter proposes the target's own answer, 4 at a time; a token in the second step's drafts is made
     the EOS, so the drafts after it are accepted by the target but never part of the answer."""
-    target, _ = tiny
+    target = tiny_engine.target
     ids = target.tokenizer.chat_ids([{"role": "user", "content": "tell me a story about a cat"}])
     answer = target_only(target, ids, 20)
     end = next(i for i in range(5, 8) if answer[i] not in answer[:i])  # not the last draft, so some come after
@@ -430,17 +424,17 @@ def test_drafts_past_eos_are_not_counted(tiny):
     class Oracle(NGramDrafter):
         def propose(self, context, k, params, generator):
             done = len(context) - len(ids)
-            return Proposal(answer[done:done + k], None, forwards=0)
+            return Proposal(answer[done : done + k], None, forwards=0)
 
     stats = SpecStats()
     tokens, events = collect(make_engine(with_eos, Oracle, "4").stream(ids, GenerationConfig(20), stats=stats))
-    assert tokens == answer[:end + 1] and events[-1].finish_reason == "eos"
+    assert tokens == answer[: end + 1] and events[-1].finish_reason == "eos"
     assert [ev.n_accepted for ev in events] == [4, end - 4]
     assert (stats.proposed, stats.accepted, stats.emitted, stats.rejections) == (end, end, end + 1, 0)
 
 
-def test_a_seed_reproduces_its_sampled_answer_with_a_fixed_k_schedule(tiny):
-    target, draft = tiny
+def test_a_seed_reproduces_its_sampled_answer_with_a_fixed_k_schedule(tiny_engine):
+    target, draft = tiny_engine.models
     engine = make_engine(target, draft_factory(draft), "3")
     ids = target.tokenizer.chat_ids([{"role": "user", "content": "hello"}])
     params = SamplingParams(temperature=1.0)

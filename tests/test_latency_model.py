@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from app import casestudy
-from specdec.latency_model import (
+from casestudy.latency_model import (
     DECODE_STAGE,
     STORY,
     Scenario,
@@ -19,7 +19,7 @@ from specdec.latency_model import (
     evaluate,
     explain_story,
     fits_in_memory,
-    forward_seconds,
+    modelled_forward_seconds,
     recommended_k,
     ridge_tokens,
     solve_draft_cost_ratio,
@@ -79,9 +79,10 @@ def test_story_ttfa_budget_adds_up_and_bounds_what_decoding_can_do(story) -> Non
     # Speculation speeds only the decode stage (and adds the draft's prefill).
     spec, base = story.speculative_stages, story.baseline_stages
     assert spec[DECODE_STAGE] == pytest.approx(base[DECODE_STAGE] / (story.speculative_tokens_per_s / 28.0))
-    assert spec["prefill"] > base["prefill"]
+    assert spec["llm_first_token"] > base["llm_first_token"]
     assert story.decode_only_speculative_ttfa_ms == pytest.approx(
-        STORY.baseline_ttfa_ms * story.baseline_tokens_per_s / story.speculative_tokens_per_s)
+        STORY.baseline_ttfa_ms * story.baseline_tokens_per_s / story.speculative_tokens_per_s
+    )
 
 
 def test_story_ttfa_below_the_decode_only_floor_is_flagged(story) -> None:
@@ -95,8 +96,10 @@ def test_story_ttfa_below_the_decode_only_floor_is_flagged(story) -> None:
 
 
 def test_slower_other_stages_leave_fewer_tokens_before_the_first_chunk() -> None:
-    tokens = [calibrated_scenario(replace(STORY, stages=VoiceStages(asr_ms=a))).stages.first_chunk_tokens
-              for a in (0, 100, 200)]
+    tokens = [
+        calibrated_scenario(replace(STORY, stages=VoiceStages(asr_ms=a))).stages.first_chunk_tokens
+        for a in (0, 100, 200)
+    ]
     assert tokens[0] > tokens[1] > tokens[2]
 
 
@@ -112,8 +115,9 @@ def test_roofline_scales_with_bandwidth_gpus_and_size(scenario: Scenario) -> Non
 def test_forward_is_flat_below_the_ridge_and_linear_above(scenario: Scenario) -> None:
     t, hw = scenario.target, scenario.hw
     ridge = ridge_tokens(t, hw)
-    assert forward_seconds(t, hw, 1) == pytest.approx(forward_seconds(t, hw, int(ridge * 0.9)))
-    assert forward_seconds(t, hw, int(ridge * 8)) == pytest.approx(2 * forward_seconds(t, hw, int(ridge * 4)))
+    assert modelled_forward_seconds(t, hw, 1) == pytest.approx(modelled_forward_seconds(t, hw, int(ridge * 0.9)))
+    past_ridge = modelled_forward_seconds(t, hw, int(ridge * 8))
+    assert past_ridge == pytest.approx(2 * modelled_forward_seconds(t, hw, int(ridge * 4)))
 
 
 @pytest.mark.parametrize("k", [1, 4, 8])
@@ -171,8 +175,15 @@ def test_casestudy_writes_table_plots_and_json(tmp_path, capsys) -> None:
     out, js = tmp_path / "plots", tmp_path / "r.json"
     assert casestudy.main(_args("--out", str(out), "--json", str(js), "--concurrency-sweep", "1", "64", "512")) == 0
     rep = json.loads(js.read_text())
-    for key in ("baseline_tokens_per_s", "speculative_tokens_per_s", "baseline_ttfa_ms", "speculative_ttfa_ms",
-                "stages", "implied", "batch"):
+    for key in (
+        "baseline_tokens_per_s",
+        "speculative_tokens_per_s",
+        "baseline_ttfa_ms",
+        "speculative_ttfa_ms",
+        "stages",
+        "implied",
+        "batch",
+    ):
         assert key in rep
     assert set(rep["stages"]) == {"baseline", "speculative"}
     assert rep["implied"]["sentences"] and rep["implied"]["c_required"] > 0
@@ -195,7 +206,8 @@ def test_casestudy_overrides_change_the_numbers(tmp_path) -> None:
     low = numbers("--acceptance-rate", "0.5")
     assert low["speculative_tokens_per_s"] < base["speculative_tokens_per_s"]
     assert numbers("--alpha", str(base["inputs"]["alpha"]))["speculative_tokens_per_s"] == pytest.approx(
-        base["speculative_tokens_per_s"])
+        base["speculative_tokens_per_s"]
+    )
     fast = numbers("--gpu-bandwidth-tbs", "4", "--gpus", "8")
     assert fast["baseline_tokens_per_s"] == pytest.approx(4 * base["baseline_tokens_per_s"])
     more = numbers("--first-chunk-tokens", "20")

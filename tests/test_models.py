@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
 
-from specdec.build import EngineSpec, build_engine
+from specdec.build import build_engine
 from specdec.models import build_tiny_random, quantize_int8
 
 
@@ -20,8 +20,9 @@ def test_quantize_int8_gives_the_logits_of_quantizing_a_float32_copy(dtype):
     model = build_tiny_random(4321).to(dtype).eval()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        reference = quantize_dynamic(copy.deepcopy(model).float(), {torch.nn.Linear: per_channel_dynamic_qconfig},
-                                     dtype=torch.qint8)
+        reference = quantize_dynamic(
+            copy.deepcopy(model).float(), {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8
+        )
     quantized = quantize_int8(model)
     assert quantized is model  # in place: no second copy of the model
     ids = torch.randint(0, model.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
@@ -47,9 +48,8 @@ def test_quantize_int8_frees_each_float_linear_without_the_garbage_collector():
             gc.enable()
 
 
-def test_int8_draft_in_the_engine_holds_no_float_linear():
-    engine, _ = build_engine(EngineSpec("tiny-random-target", "tiny-random-draft", "3", dtype="float32",
-                                        draft_quant="int8"))
+def test_int8_draft_in_the_engine_holds_no_float_linear(tiny_engine):
+    engine, _ = build_engine(tiny_engine.spec_with(draft_quant="int8"))
     draft = engine.drafter_factory().model
     assert not any(type(m) is torch.nn.Linear for m in draft.modules())
     assert sum(m.__class__.__module__.startswith("torch.ao.nn.quantized") for m in draft.modules()) > 0

@@ -17,10 +17,6 @@ from pipeline.asr import Transcriber
 from pipeline.audio import AudioError
 from pipeline.llm import LLMDelta
 from pipeline.timeline import MARKS, STAGES, Timeline
-from specdec.build import EngineSpec
-
-TINY_ENGINE = EngineSpec("tiny-random-target", "tiny-random-draft", "3", dtype="float32", draft_quant="none",
-                         draft_vocab=0)
 
 
 class ScriptedLLM:
@@ -61,15 +57,26 @@ class FakeTTS:
         pass
 
 
+class NoASR:
+    """Whisper's stand-in where no speech is transcribed (typed turns, noise): those tests load no ASR model."""
+
+    def transcribe(self, audio):
+        return ""
+
+    def warmup(self):
+        pass
+
+
 @pytest.fixture(scope="module")
 def transcriber():
     return Transcriber()
 
 
-def scripted_agent(transcriber, answer="Sure, the capital of France is Paris. It is also its largest city.",
-                   step_s=0.01, tts=None):
+def scripted_agent(
+    transcriber, answer="Sure, the capital of France is Paris. It is also its largest city.", step_s=0.01, tts=None
+):
     llm = ScriptedLLM(answer, step_s)
-    return VoiceAgent(AgentConfig(engine=TINY_ENGINE), llm=llm, transcriber=transcriber, tts=tts or FakeTTS()), llm
+    return VoiceAgent(AgentConfig(), llm=llm, transcriber=transcriber, tts=tts or FakeTTS()), llm
 
 
 def test_timeline_stages_add_up_to_ttfa():
@@ -86,12 +93,13 @@ def test_timeline_stages_add_up_to_ttfa():
         tl.mark("whenever", 1.0)
 
 
-def test_typed_turn_streams_in_order_and_fills_timeline(transcriber):
-    agent, llm = scripted_agent(transcriber)
+def test_typed_turn_streams_in_order_and_fills_timeline():
+    agent, llm = scripted_agent(NoASR())
     conv = agent.new_conversation()
     events = []
-    result = agent.respond(conv, "What is the capital of France?", Timeline(), True,
-                           on_event=lambda kind, payload: events.append(kind))
+    result = agent.respond(
+        conv, "What is the capital of France?", Timeline(), True, on_event=lambda kind, payload: events.append(kind)
+    )
     d = result.to_dict()
     assert d["answer"].startswith("Sure, the capital") and d["spoken"] == d["answer"]
     assert set(d["stages"]) == set(STAGES) and math.isclose(sum(d["stages"].values()), d["ttfa_ms"])
@@ -101,8 +109,8 @@ def test_typed_turn_streams_in_order_and_fills_timeline(transcriber):
     assert conv.history[-1] == {"role": "assistant", "content": d["answer"]}
 
 
-def test_history_is_bounded_and_sent_to_the_llm(transcriber):
-    agent, llm = scripted_agent(transcriber, "Okay.")
+def test_history_is_bounded_and_sent_to_the_llm():
+    agent, llm = scripted_agent(NoASR(), "Okay.")
     agent.config.history_turns = 2
     conv = agent.new_conversation()
     for i in range(4):
@@ -112,8 +120,8 @@ def test_history_is_bounded_and_sent_to_the_llm(transcriber):
     assert [m["content"] for m in last[1:-1] if m["role"] == "user"] == ["question 1", "question 2"]
 
 
-def test_barge_in_cancels_llm_and_tts_and_keeps_history_consistent(transcriber):
-    agent, llm = scripted_agent(transcriber, " ".join(f"word{i}." for i in range(200)), step_s=0.02)
+def test_barge_in_cancels_llm_and_tts_and_keeps_history_consistent():
+    agent, llm = scripted_agent(NoASR(), " ".join(f"word{i}." for i in range(200)), step_s=0.02)
     conv = agent.new_conversation()
     cancel = threading.Event()
 
@@ -131,6 +139,7 @@ def test_barge_in_cancels_llm_and_tts_and_keeps_history_consistent(transcriber):
     assert conv.history[-2:][0]["content"] == "next"
 
 
+@pytest.mark.models
 @needs_espeak
 def test_turn_from_recording_marks_speech_end_before_end_of_turn(transcriber):
     agent, llm = scripted_agent(transcriber, "Paris.")
@@ -144,28 +153,47 @@ def test_turn_from_recording_marks_speech_end_before_end_of_turn(transcriber):
     assert llm.seen_messages[-1][-1]["content"] == d["transcript"]
 
 
-def test_recording_without_speech_is_a_clear_error(transcriber):
-    agent, _ = scripted_agent(transcriber)
+def test_recording_without_speech_is_a_clear_error():
+    agent, _ = scripted_agent(NoASR())
     noise = np.random.default_rng(0).normal(0, 0.001, 16000).astype(np.float32)
     with pytest.raises(AudioError, match="no speech"):
         agent.turn_from_recording(agent.new_conversation(), noise, True)
 
 
 @needs_espeak
-def test_tiny_engine_turn_runs_the_speculative_path(transcriber):
-    agent = VoiceAgent(AgentConfig(engine=TINY_ENGINE, max_new_tokens=24), transcriber=transcriber, tts=FakeTTS())
+def test_tiny_engine_turn_runs_the_speculative_path(tiny_engine):
+    agent = VoiceAgent(AgentConfig(engine=tiny_engine.spec, max_new_tokens=24), transcriber=NoASR(), tts=FakeTTS())
     result = agent.respond(agent.new_conversation(), "hello", Timeline(), True)
     assert result.stats.tokens > 0 and result.stats.spec.proposed > 0
 
 
+@pytest.mark.models
 @needs_espeak
 def test_say_on_the_real_default_models(real_models, tmp_path):
     """One full turn, speculation off then on, on the offline Qwen pair, faster-whisper and hibari."""
     out = tmp_path / "say.json"
-    proc = subprocess.run([sys.executable, "-m", "app.cli", "say", "--wav", str(ROOT / "assets/utterances/capital.wav"),
-                           "--speculation", "both", "--max-new-tokens", "24", "--json", str(out),
-                           "--out", str(tmp_path / "answer.wav")], cwd=ROOT, capture_output=True, text=True,
-                          timeout=900)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "app.cli",
+            "say",
+            "--wav",
+            str(ROOT / "assets/utterances/capital.wav"),
+            "--speculation",
+            "both",
+            "--max-new-tokens",
+            "24",
+            "--json",
+            str(out),
+            "--out",
+            str(tmp_path / "answer.wav"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     data = json.loads(out.read_text())
     off, on = data["turns"]
@@ -180,20 +208,21 @@ def test_say_on_the_real_default_models(real_models, tmp_path):
     assert (tmp_path / "answer-on.wav").stat().st_size > 10000
 
 
-def test_remote_openai_compatible_server_as_llm_stage(transcriber):
+def test_remote_openai_compatible_server_as_llm_stage():
     """--llm-url: the same turn through a server speaking vLLM's wire format and Prometheus counters."""
     from fake_vllm import FakeVLLM
 
     with FakeVLLM(reply="Paris is the capital of France. It sits on the Seine.") as fake:
-        agent = VoiceAgent(AgentConfig(llm_url=fake.url), transcriber=transcriber, tts=FakeTTS())
+        agent = VoiceAgent(AgentConfig(llm_url=fake.url), transcriber=NoASR(), tts=FakeTTS())
         d = agent.respond(agent.new_conversation(), "capital of France?", Timeline(), True).to_dict()
     assert d["answer"].startswith("Paris is the capital")
     assert 0 < d["draft_acceptance_rate"] <= 1 and d["ttfa_ms"] > 0
 
 
-def test_long_history_is_trimmed_to_fit_the_context(transcriber):
-    agent = VoiceAgent(AgentConfig(engine=TINY_ENGINE, max_new_tokens=16, history_turns=50), transcriber=transcriber,
-                       tts=FakeTTS())
+def test_long_history_is_trimmed_to_fit_the_context(tiny_engine):
+    agent = VoiceAgent(
+        AgentConfig(engine=tiny_engine.spec, max_new_tokens=16, history_turns=50), transcriber=NoASR(), tts=FakeTTS()
+    )
     conv = agent.new_conversation()
     for i in range(12):  # the tiny model's context is 512 tokens; 12 exchanges of ~60 bytes overflow it
         result = agent.respond(conv, f"question number {i}: " + "x" * 40, Timeline(), True)

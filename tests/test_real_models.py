@@ -1,5 +1,6 @@
 """One short integration run on the real offline Qwen pair (1.5B target, 0.5B draft)."""
 
+import pytest
 import torch
 
 from specdec.build import EngineSpec, build_engine
@@ -7,8 +8,9 @@ from specdec.engine import GenerationConfig, collect
 from specdec.metrics import SpecStats
 
 
+@pytest.mark.models
 def test_qwen_pair_float32_greedy_is_identical_to_target_only(real_models):
-    engine, target = build_engine(EngineSpec("qwen-1.5b", "qwen-0.5b", "4", dtype="float32"))
+    engine, target = build_engine(EngineSpec(target="qwen-1.5b", draft="qwen-0.5b", k="4", dtype="float32"))
     engine.auto_off = False  # this checks losslessness, not speed
     ids = target.tokenizer.chat_ids([{"role": "user", "content": "List the days of the week."}])
     baseline, _ = collect(engine.stream(ids, GenerationConfig(20, speculate=False)))

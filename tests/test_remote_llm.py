@@ -24,8 +24,9 @@ def expected_spec(fake: FakeVLLM, max_tokens: int) -> SpecStats:
     return spec
 
 
-def run(llm: OpenAICompatibleLLM, speculation: bool = True, cancel: threading.Event | None = None
-        ) -> tuple[str, ReplyStats, list]:
+def run(
+    llm: OpenAICompatibleLLM, speculation: bool = True, cancel: threading.Event | None = None
+) -> tuple[str, ReplyStats, list]:
     stats = ReplyStats()
     deltas = list(llm.stream_reply(MESSAGES, speculation, stats, cancel))
     return "".join(d.text for d in deltas), stats, deltas
@@ -64,8 +65,13 @@ def test_acceptance_from_counter_deltas(fake: FakeVLLM) -> None:
     _, stats, _ = run(llm)
     want = expected_spec(fake, 1 << 30)
     got = stats.spec
-    assert (got.proposed, got.accepted, got.steps, got.emitted) == (want.proposed, want.accepted, want.steps,
-                                                                    want.emitted)
+    assert (got.proposed, got.accepted, got.speculative_steps, got.target_forwards, got.emitted) == (
+        want.proposed,
+        want.accepted,
+        want.speculative_steps,
+        want.target_forwards,
+        want.emitted,
+    )
     assert got.per_position_proposed == want.per_position_proposed
     assert got.per_position_accepted == want.per_position_accepted
     assert got.rejections == want.rejections
@@ -157,19 +163,21 @@ def test_http_error_names_the_url_and_status(fake: FakeVLLM) -> None:
 
 
 def test_prometheus_parsing_handles_labels_suffixes_and_other_models() -> None:
-    text = "\n".join([
-        "# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.",
-        "# TYPE vllm:spec_decode_num_drafts_total counter",
-        'vllm:spec_decode_num_drafts_total{engine="0",model_name="a"} 10.0',
-        'vllm:spec_decode_num_drafts_total{engine="1",model_name="a"} 5.0',
-        'vllm:spec_decode_num_drafts_total{engine="0",model_name="b"} 100.0',
-        'vllm:spec_decode_num_drafts_created{engine="0",model_name="a"} 1.7e9',
-        'vllm:spec_decode_num_draft_tokens{model_name="a"} 60 1700000000000',
-        'vllm:spec_decode_num_accepted_tokens_total{model_name="a"} 33',
-        'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="a",position="1"} 12',
-        'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="a",position="0"} 14',
-        'other_metric{path="/x,y=\\"z\\""} 1',
-    ])
+    text = "\n".join(
+        [
+            "# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.",
+            "# TYPE vllm:spec_decode_num_drafts_total counter",
+            'vllm:spec_decode_num_drafts_total{engine="0",model_name="a"} 10.0',
+            'vllm:spec_decode_num_drafts_total{engine="1",model_name="a"} 5.0',
+            'vllm:spec_decode_num_drafts_total{engine="0",model_name="b"} 100.0',
+            'vllm:spec_decode_num_drafts_created{engine="0",model_name="a"} 1.7e9',
+            'vllm:spec_decode_num_draft_tokens{model_name="a"} 60 1700000000000',
+            'vllm:spec_decode_num_accepted_tokens_total{model_name="a"} 33',
+            'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="a",position="1"} 12',
+            'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="a",position="0"} 14',
+            'other_metric{path="/x,y=\\"z\\""} 1',
+        ]
+    )
     assert ("other_metric", {"path": '/x,y="z"'}, 1.0) in list(parse_prometheus(text))
     c = spec_counters(text, "a")
     assert (c.drafts, c.draft_tokens, c.accepted) == (15, 60, 33)
@@ -179,6 +187,5 @@ def test_prometheus_parsing_handles_labels_suffixes_and_other_models() -> None:
 
 
 def test_sse_parser_joins_multiline_data_and_skips_comments() -> None:
-    raw = [b": keep-alive\n", b"event: message\n", b"data: {\"a\":\n", b"data: 1}\n", b"\n", b"data:[DONE]\r\n",
-           b"\r\n"]
+    raw = [b": keep-alive\n", b"event: message\n", b'data: {"a":\n', b"data: 1}\n", b"\n", b"data:[DONE]\r\n", b"\r\n"]
     assert list(sse_data(raw)) == ['{"a":\n1}', "[DONE]"]

@@ -142,9 +142,11 @@ def test_spec_stats_definitions():
 
 def test_spec_stats_merge_adds_every_counter():
     a, b, both = SpecStats(), SpecStats(), SpecStats()
-    steps = [(a, (5, 0.2), dict(speculative=True, k_drafted=4, n_accepted=4, draft_s=0.1, draft_forwards=4)),
-             (b, (2, 0.1), dict(speculative=True, k_drafted=6, n_accepted=1, draft_s=0.3, draft_forwards=6)),
-             (b, (1, 0.3), {})]
+    steps = [
+        (a, (5, 0.2), dict(speculative=True, k_drafted=4, n_accepted=4, draft_s=0.1, draft_forwards=4)),
+        (b, (2, 0.1), dict(speculative=True, k_drafted=6, n_accepted=1, draft_s=0.3, draft_forwards=6)),
+        (b, (1, 0.3), {}),
+    ]
     for stats, args, kw in steps:
         stats.record(*args, **kw)
         both.record(*args, **kw)

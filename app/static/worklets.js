@@ -6,9 +6,9 @@
 class SvCapture extends AudioWorkletProcessor {
   constructor(options) {
     super();
-    const o = (options && options.processorOptions) || {};
-    this.step = sampleRate / (o.targetRate || 16000); // input samples per output sample
-    this.frame = o.frameSamples || 512; // one silero window: the VAD decides per 32 ms
+    const o = options.processorOptions; // from app/protocol.py, through audio.js
+    this.step = sampleRate / o.targetRate; // input samples per output sample
+    this.frame = o.frameSamples; // one silero window: the VAD decides per 32 ms
     this.pos = 0;
     this.acc = 0;
     this.n = 0;
@@ -18,7 +18,7 @@ class SvCapture extends AudioWorkletProcessor {
   }
 
   process(inputs) {
-    const ch = inputs[0] && inputs[0][0];
+    const ch = inputs[0]?.[0];
     if (!ch) return true;
     for (let i = 0; i < ch.length; i++) {
       this.acc += ch[i];
@@ -65,7 +65,7 @@ class SvPlayer extends AudioWorkletProcessor {
     };
   }
 
-  process(inputs, outputs) {
+  process(_inputs, outputs) {
     const channels = outputs[0];
     const out = channels[0];
     let i = 0;

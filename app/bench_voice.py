@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import sys
 from pathlib import Path
 
+from pipeline.agent import VoiceAgent, ab_order
+from pipeline.audio import load_audio, to_mono_16k
+from pipeline.options import add_agent_arguments, agent_config_from_args
+from pipeline.timeline import STAGES
 from specdec.metrics import DEFINITIONS
+from specdec.stats import bootstrap_ci, paired_ratio, spread
 
-from .agent import VoiceAgent, ab_order
-from .audio import load_audio, to_mono_16k
-from .options import add_agent_arguments, agent_config_from_args
 from .say import run_turn
-from .timeline import STAGES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,18 +23,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--json", required=True)
     add_agent_arguments(parser)
-
-
-def bootstrap_ci(values: list[float], stat=statistics.median, n: int = 2000, seed: int = 0) -> tuple[float, float]:
-    """95% percentile-bootstrap interval of stat(values)."""
-    rng = random.Random(seed)
-    draws = sorted(stat(rng.choices(values, k=len(values))) for _ in range(n))
-    return draws[int(0.025 * n)], draws[int(0.975 * n) - 1]
-
-
-def spread(values: list[float]) -> dict:
-    q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
-    return {"median": statistics.median(values), "p25": q[0], "p75": q[2], "min": min(values), "max": max(values)}
 
 
 def main(args: argparse.Namespace) -> int:
@@ -49,26 +37,37 @@ def main(args: argparse.Namespace) -> int:
         for i, wav in enumerate(wavs):
             audio = to_mono_16k(*load_audio(wav))
             turns = {spec: run_turn(agent, conv, audio, spec, paired=True).to_dict() for spec in ab_order(rep + i)}
-            pair = {"wav": wav.name, "repeat": rep, "off": turns[False], "on": turns[True],
-                    "ratio_on_off": turns[True]["ttfa_ms"] / turns[False]["ttfa_ms"]}
+            pair = {
+                "wav": wav.name,
+                "repeat": rep,
+                "off": turns[False],
+                "on": turns[True],
+                "ratio_on_off": turns[True]["ttfa_ms"] / turns[False]["ttfa_ms"],
+            }
             pairs.append(pair)
-            print(f"[{len(pairs)}/{args.repeats * len(wavs)}] {wav.name}: off {pair['off']['ttfa_ms']:.0f} ms, "
-                  f"on {pair['on']['ttfa_ms']:.0f} ms (×{pair['ratio_on_off']:.2f}), "
-                  f"acceptance {pair['on']['draft_acceptance_rate'] or 0:.0%}", file=sys.stderr, flush=True)
-    ratios = [p["ratio_on_off"] for p in pairs]
+            print(
+                f"[{len(pairs)}/{args.repeats * len(wavs)}] {wav.name}: off {pair['off']['ttfa_ms']:.0f} ms, "
+                f"on {pair['on']['ttfa_ms']:.0f} ms (×{pair['ratio_on_off']:.2f}), "
+                f"acceptance {pair['on']['draft_acceptance_rate'] or 0:.0%}",
+                file=sys.stderr,
+                flush=True,
+            )
+    ab = paired_ratio([(p["off"]["ttfa_ms"], p["on"]["ttfa_ms"]) for p in pairs])  # the app's A/B statistic too
     diffs = [p["off"]["ttfa_ms"] - p["on"]["ttfa_ms"] for p in pairs]
     summary = {
         "pairs": len(pairs),
         "ttfa_ms_off": spread([p["off"]["ttfa_ms"] for p in pairs]),
         "ttfa_ms_on": spread([p["on"]["ttfa_ms"] for p in pairs]),
-        "ttfa_ratio_on_off_median": statistics.median(ratios),
-        "ttfa_ratio_on_off_ci95": bootstrap_ci(ratios),
+        "ttfa_ratio_on_off_median": ab["ratio_on_off_median"],
+        "ttfa_ratio_on_off_ci95": ab["ratio_on_off_ci95"],
         "ttfa_saved_ms_median": statistics.median(diffs),
         "ttfa_saved_ms_ci95": bootstrap_ci(diffs),
-        "stages_median_ms": {mode: {s: statistics.median(p[mode]["stages"][s] for p in pairs) for s in STAGES}
-                             for mode in ("off", "on")},
-        "first_chunk_tokens_median": {m: statistics.median(p[m]["first_chunk_tokens"] for p in pairs)
-                                      for m in ("off", "on")},
+        "stages_median_ms": {
+            mode: {s: statistics.median(p[mode]["stages"][s] for p in pairs) for s in STAGES} for mode in ("off", "on")
+        },
+        "first_chunk_tokens_median": {
+            m: statistics.median(p[m]["first_chunk_tokens"] for p in pairs) for m in ("off", "on")
+        },
         "draft_acceptance_rate_median": statistics.median(p["on"]["draft_acceptance_rate"] or 0 for p in pairs),
         "transcripts_match": sum(p["off"]["transcript"] == p["on"]["transcript"] for p in pairs) / len(pairs),
         "answers_match": sum(p["off"]["answer"] == p["on"]["answer"] for p in pairs) / len(pairs),

@@ -9,24 +9,28 @@ import sys
 import numpy as np
 import soundfile as sf
 
+from pipeline.agent import Conversation, TurnResult, VoiceAgent
+from pipeline.audio import load_audio, to_mono_16k
+from pipeline.options import add_agent_arguments, agent_config_from_args
 from specdec.metrics import DEFINITIONS
-
-from .agent import Conversation, TurnResult, VoiceAgent
-from .audio import load_audio, to_mono_16k
-from .options import add_agent_arguments, agent_config_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--wav", required=True, help="the user's utterance (any rate, mono or stereo)")
-    parser.add_argument("--speculation", default="on", choices=["on", "off", "both"],
-                        help="both: the same utterance with speculation off, then on, from the same state")
+    parser.add_argument(
+        "--speculation",
+        default="on",
+        choices=["on", "off", "both"],
+        help="both: the same utterance with speculation off, then on, from the same state",
+    )
     parser.add_argument("--out", default=None, help="write the spoken answer here (for both: OUT-off / OUT-on)")
     parser.add_argument("--json", default=None, help="write the turns' metrics here")
     add_agent_arguments(parser)
 
 
-def run_turn(agent: VoiceAgent, conv: Conversation, audio16k: np.ndarray, speculation: bool,
-             paired: bool) -> TurnResult:
+def run_turn(
+    agent: VoiceAgent, conv: Conversation, audio16k: np.ndarray, speculation: bool, paired: bool
+) -> TurnResult:
     if paired:
         agent.rewind(conv)
     return agent.turn_from_recording(conv, audio16k, speculation, remember=not paired)
@@ -35,9 +39,11 @@ def run_turn(agent: VoiceAgent, conv: Conversation, audio16k: np.ndarray, specul
 def describe(turn: dict) -> str:
     stages = ", ".join(f"{k} {v:.0f}" for k, v in turn["stages"].items())
     acc = turn["draft_acceptance_rate"]
-    return (f"speculation {'on ' if turn['speculation'] else 'off'}: TTFA {turn['ttfa_ms']:.0f} ms ({stages}); "
-            f"{turn['tokens_per_s']:.1f} tok/s; acceptance {'-' if acc is None else f'{acc:.0%}'}\n"
-            f"  you: {turn['transcript']}\n  agent: {turn['answer']}")
+    return (
+        f"speculation {'on ' if turn['speculation'] else 'off'}: TTFA {turn['ttfa_ms']:.0f} ms ({stages}); "
+        f"{turn['tokens_per_s']:.1f} tok/s; acceptance {'-' if acc is None else f'{acc:.0%}'}\n"
+        f"  you: {turn['transcript']}\n  agent: {turn['answer']}"
+    )
 
 
 def write_wav(path: str, result: TurnResult) -> None:

@@ -19,10 +19,12 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 
-from .metrics import alpha_from_acceptance_rate, expected_speedup, expected_tokens_per_step
+from pipeline.timeline import STAGES
+from specdec.metrics import alpha_from_acceptance_rate, expected_speedup, expected_tokens_per_step
 
-STAGE_NAMES = ("end_of_turn", "asr", "prefill", "first_chunk_decode", "tts_first_chunk")
-DECODE_STAGE = "first_chunk_decode"
+# The model's stages are the timeline's, so a modelled budget reads like a measured one. Its llm_first_token is the
+# prefill (the first token comes out of the prefill forward); first_chunk_tokens is the decode speculation speeds up.
+DECODE_STAGE = "first_chunk_tokens"
 
 
 @dataclass(frozen=True)
@@ -76,8 +78,10 @@ def compute_seconds(model: ModelSpec, hw: Hardware, tokens: int) -> float:
     return 2 * model.params_b * 1e9 * tokens / (hw.tflops * 1e12 * hw.n_gpus * hw.efficiency)
 
 
-def forward_seconds(model: ModelSpec, hw: Hardware, tokens: int = 1, batch: int = 1, context_tokens: int = 0) -> float:
-    """One forward over `tokens` new tokens belonging to `batch` sequences: the slower roof wins."""
+def modelled_forward_seconds(
+    model: ModelSpec, hw: Hardware, tokens: int = 1, batch: int = 1, context_tokens: int = 0
+) -> float:
+    """Modelled time of one forward over `tokens` new tokens of `batch` sequences: the slower roof wins."""
     return max(memory_seconds(model, hw, batch, context_tokens), compute_seconds(model, hw, tokens)) + (
         hw.overhead_ms / 1e3
     )
@@ -132,8 +136,8 @@ class Scenario:
 
     def draft_seconds(self, tokens: int, batch: int) -> float:
         if self.c is not None:  # a given ratio holds at every batch size (same arithmetic intensity)
-            return self.c * forward_seconds(self.target, self.hw, tokens, batch, self.context_tokens)
-        return forward_seconds(self.draft, self.hw, tokens, batch, self.context_tokens)
+            return self.c * modelled_forward_seconds(self.target, self.hw, tokens, batch, self.context_tokens)
+        return modelled_forward_seconds(self.draft, self.hw, tokens, batch, self.context_tokens)
 
 
 @dataclass(frozen=True)
@@ -144,7 +148,7 @@ class Evaluation:
     tokens_per_step: float  # E
     c: float  # draft cost ratio at this batch size
     v: float  # verify forward (B·(K+1) tokens) ÷ plain forward (B tokens)
-    baseline_stages: dict[str, float]  # ms per stage, in STAGE_NAMES order
+    baseline_stages: dict[str, float]  # ms per stage, in STAGES order
     speculative_stages: dict[str, float]
 
     @property
@@ -167,27 +171,38 @@ class Evaluation:
 
 def _stages(s: Scenario, prefill_s: float, tokens_per_s: float) -> dict[str, float]:
     st = s.stages
-    values = (st.end_of_turn_ms, st.asr_ms, prefill_s * 1e3, st.first_chunk_tokens * 1e3 / tokens_per_s,
-              st.tts_first_chunk_ms)
-    return dict(zip(STAGE_NAMES, values))
+    values = (
+        st.end_of_turn_ms,
+        st.asr_ms,
+        prefill_s * 1e3,
+        st.first_chunk_tokens * 1e3 / tokens_per_s,
+        st.tts_first_chunk_ms,
+    )
+    return dict(zip(STAGES, values))
 
 
 def evaluate(s: Scenario) -> Evaluation:
     b = s.concurrency
-    plain = forward_seconds(s.target, s.hw, b, b, s.context_tokens)
+    plain = modelled_forward_seconds(s.target, s.hw, b, b, s.context_tokens)
     base_rate = 1 / plain
     if s.k > 0:
         c = s.draft_seconds(b, b) / plain
-        v = forward_seconds(s.target, s.hw, b * (s.k + 1), b, s.context_tokens) / plain
+        v = modelled_forward_seconds(s.target, s.hw, b * (s.k + 1), b, s.context_tokens) / plain
         spec_rate = base_rate * expected_speedup(s.alpha, s.k, c, v)
         # The draft has to read the prompt too before it can propose anything.
         draft_prefill = s.draft_seconds(s.stages.prompt_tokens, 1)
     else:
         c, v, spec_rate, draft_prefill = 0.0, 1.0, base_rate, 0.0
-    prefill = forward_seconds(s.target, s.hw, s.stages.prompt_tokens, 1, s.context_tokens)
+    prefill = modelled_forward_seconds(s.target, s.hw, s.stages.prompt_tokens, 1, s.context_tokens)
     return Evaluation(
-        s, base_rate, spec_rate, expected_tokens_per_step(s.alpha, s.k), c, v,
-        _stages(s, prefill, base_rate), _stages(s, prefill + draft_prefill, spec_rate),
+        scenario=s,
+        baseline_tokens_per_s=base_rate,
+        speculative_tokens_per_s=spec_rate,
+        tokens_per_step=expected_tokens_per_step(s.alpha, s.k),
+        c=c,
+        v=v,
+        baseline_stages=_stages(s, prefill, base_rate),
+        speculative_stages=_stages(s, prefill + draft_prefill, spec_rate),
     )
 
 
@@ -211,8 +226,15 @@ def speedup_at(s: Scenario, concurrency: int, k: int | None = None) -> float:
 MIN_GAIN = 1.05
 
 
-def recommended_k(concurrency: int, alpha: float, c: float | None = None, *, scenario: Scenario | None = None,
-                  k_max: int = 8, min_gain: float = MIN_GAIN) -> int:
+def recommended_k(
+    concurrency: int,
+    alpha: float,
+    c: float | None = None,
+    *,
+    scenario: Scenario | None = None,
+    k_max: int = 8,
+    min_gain: float = MIN_GAIN,
+) -> int:
     """The K with the best modelled speedup at this concurrency; 0 (off) when no K gains min_gain.
 
     Idle, the target is memory-bound and verification is nearly free, so deeper drafts pay; under load
@@ -247,15 +269,17 @@ def batch_sweep(s: Scenario, concurrencies: Sequence[int], k_max: int = 8) -> li
     rows = []
     for b in concurrencies:
         ev = evaluate(replace(s, concurrency=b))
-        rows.append({
-            "concurrency": b,
-            "baseline_tokens_per_s": ev.baseline_tokens_per_s,
-            "speculative_tokens_per_s": ev.speculative_tokens_per_s,
-            "speedup": ev.speedup,
-            "verify_cost_v": ev.v,
-            "recommended_k": recommended_k(b, s.alpha, s.c, scenario=s, k_max=k_max),
-            "fits_in_memory": fits_in_memory(s, b),
-        })
+        rows.append(
+            {
+                "concurrency": b,
+                "baseline_tokens_per_s": ev.baseline_tokens_per_s,
+                "speculative_tokens_per_s": ev.speculative_tokens_per_s,
+                "speedup": ev.speedup,
+                "verify_cost_v": ev.v,
+                "recommended_k": recommended_k(b, s.alpha, s.c, scenario=s, k_max=k_max),
+                "fits_in_memory": fits_in_memory(s, b),
+            }
+        )
     return rows
 
 
@@ -290,14 +314,23 @@ def calibrated_scenario(story: Story = STORY) -> Scenario:
     """The story's setup with the efficiency solved from its baseline rate and α read as vLLM's acceptance
     rate; first_chunk_tokens is solved so that the baseline TTFA is the story's."""
     eff = solve_efficiency(story.target, story.hw, story.baseline_tokens_per_s, story.context_tokens)
-    s = Scenario(alpha_from_acceptance_rate(story.acceptance, story.k), story.k, None, story.target, story.draft,
-                 replace(story.hw, efficiency=eff), story.context_tokens, 1, story.stages)
+    s = Scenario(
+        alpha=alpha_from_acceptance_rate(story.acceptance, story.k),
+        k=story.k,
+        c=None,
+        target=story.target,
+        draft=story.draft,
+        hw=replace(story.hw, efficiency=eff),
+        context_tokens=story.context_tokens,
+        concurrency=1,
+        stages=story.stages,
+    )
     floor = evaluate(s).ttfa_floor_ms
     tokens = (story.baseline_ttfa_ms - floor) * story.baseline_tokens_per_s / 1e3
     return replace(s, stages=replace(s.stages, first_chunk_tokens=max(tokens, 0.0)))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)  # thirty-one figures: named where it is built
 class StoryExplanation:
     story: Story
     efficiency: float  # solved bandwidth efficiency
@@ -338,9 +371,15 @@ class StoryExplanation:
 def _corners(story: Story) -> list[Story]:
     """The story with each rounded figure at either end of its rounding interval."""
     r_tps, r_acc, r_ms = story.tokens_per_s_rounding, story.acceptance_rounding, story.ms_rounding
-    return [replace(story, baseline_tokens_per_s=story.baseline_tokens_per_s + a,
-                    acceptance=story.acceptance + b, baseline_ttfa_ms=story.baseline_ttfa_ms + m)
-            for a, b, m in itertools.product((-r_tps, r_tps), (-r_acc, r_acc), (-r_ms, r_ms))]
+    return [
+        replace(
+            story,
+            baseline_tokens_per_s=story.baseline_tokens_per_s + a,
+            acceptance=story.acceptance + b,
+            baseline_ttfa_ms=story.baseline_ttfa_ms + m,
+        )
+        for a, b, m in itertools.product((-r_tps, r_tps), (-r_acc, r_acc), (-r_ms, r_ms))
+    ]
 
 
 def _band(values: Sequence[float]) -> tuple[float, float]:
@@ -399,7 +438,7 @@ def explain_story(story: Story = STORY) -> StoryExplanation:
         f"roofline c the α reading gives only {as_alpha.speculative_tokens_per_s:.1f} tokens/s. So the 74% is the "
         "draft acceptance rate vLLM reports.",
         f"Stage assumptions: end of turn {st.end_of_turn_ms:g} ms, ASR {st.asr_ms:g} ms, prefill of "
-        f"{st.prompt_tokens} tokens {ev.baseline_stages['prefill']:.0f} ms (roofline), TTS first chunk "
+        f"{st.prompt_tokens} tokens {ev.baseline_stages['llm_first_token']:.0f} ms (roofline), TTS first chunk "
         f"{st.tts_first_chunk_ms:g} ms. Then {story.baseline_ttfa_ms:g} ms leaves room for "
         f"{st.first_chunk_tokens:.1f} tokens before the first audio chunk, and speculation brings the pause to "
         f"{ev.speculative_ttfa_ms:.0f} ms (the draft's own prefill included).",
@@ -407,17 +446,46 @@ def explain_story(story: Story = STORY) -> StoryExplanation:
         f"Even if all {story.baseline_ttfa_ms:g} ms were decoding ({decode_only_tokens:.1f} tokens at "
         f"{story.baseline_tokens_per_s:g} tokens/s), a {ev.speedup:.2f}× decode speedup gives "
         f"{decode_only:.0f} ms (band {ttfa_band[0]:.0f}–{ttfa_band[1]:.0f}), so {story.speculative_ttfa_ms:g} ms is "
-        + ("within reach." if reachable else
-           f"out of reach from decoding alone: it needs an acceptance rate of {rate_for_ttfa:.0%} at K = {story.k}, or "
-           f"other stages shrinking by {shrink:.0f} ms in the pipeline reading."),
+        + (
+            "within reach."
+            if reachable
+            else f"out of reach from decoding alone: it needs an acceptance rate of {rate_for_ttfa:.0%} "
+            f"at K = {story.k}, or "
+            f"other stages shrinking by {shrink:.0f} ms in the pipeline reading."
+        ),
         f"The target turns compute-bound beyond ≈ {ridge:.0f} tokens per forward; K = {story.k} stops paying at "
         f"≈ {breakeven} concurrent sequences, and an idle server would do best at K = {k_idle}.",
     ]
     return StoryExplanation(
-        story, eff, ridge, s.alpha, (as_alpha.tokens_per_step - 1) / story.k, ev.tokens_per_step, ev.c, ev.v,
-        c_req, c_req_alpha, ev.baseline_tokens_per_s, ev.speculative_tokens_per_s, tps_band,
-        as_alpha.speculative_tokens_per_s, rate_ok, alpha_ok, st.first_chunk_tokens, ev.baseline_stages,
-        ev.speculative_stages, ev.baseline_ttfa_ms, ev.speculative_ttfa_ms, floor,
-        decode_only_tokens, decode_only, ttfa_band, reachable,
-        rate_for_ttfa, shrink, k_idle, breakeven, sentences,
+        story=story,
+        efficiency=eff,
+        ridge_tokens=ridge,
+        alpha=s.alpha,
+        acceptance_rate_if_alpha=(as_alpha.tokens_per_step - 1) / story.k,
+        tokens_per_step=ev.tokens_per_step,
+        c_roofline=ev.c,
+        v=ev.v,
+        c_required=c_req,
+        c_required_if_alpha=c_req_alpha,
+        baseline_tokens_per_s=ev.baseline_tokens_per_s,
+        speculative_tokens_per_s=ev.speculative_tokens_per_s,
+        speculative_tokens_per_s_band=tps_band,
+        speculative_tokens_per_s_if_alpha=as_alpha.speculative_tokens_per_s,
+        rate_reading_consistent=rate_ok,
+        alpha_reading_consistent=alpha_ok,
+        first_chunk_tokens=st.first_chunk_tokens,
+        baseline_stages=ev.baseline_stages,
+        speculative_stages=ev.speculative_stages,
+        baseline_ttfa_ms=ev.baseline_ttfa_ms,
+        speculative_ttfa_ms=ev.speculative_ttfa_ms,
+        ttfa_floor_ms=floor,
+        decode_only_first_chunk_tokens=decode_only_tokens,
+        decode_only_speculative_ttfa_ms=decode_only,
+        decode_only_ttfa_band=ttfa_band,
+        story_ttfa_reachable=reachable,
+        acceptance_rate_for_story_ttfa=rate_for_ttfa,
+        other_stages_must_shrink_ms=shrink,
+        recommended_k_idle=k_idle,
+        breakeven_concurrency=breakeven,
+        sentences=sentences,
     )

@@ -1,0 +1,117 @@
+"""`specvoice bench`: target-only, this engine and transformers' assisted generation, interleaved per prompt
+in one process, on the same models, dtype and threads. Progress on stderr, JSON out."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from pipeline.options import add_engine_arguments, spec_from_args
+from specdec.bench import explain_divergence, first_divergence, hf_generate, read_prompts, run_engine, summarize
+from specdec.build import build_engine
+from specdec.engine import GenerationConfig
+from specdec.metrics import DEFINITIONS, SpecStats
+from specdec.models import load_model
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_engine_arguments(parser)
+    parser.add_argument("--prompts", required=True, help='JSONL, one {"prompt": ..., "category"?: ...} a line')
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--limit", type=int, default=0, help="use only the first N prompts")
+    parser.add_argument(
+        "--compare",
+        default="hf",
+        choices=["hf", "none"],
+        help="hf: also run transformers' generate() target-only and with assistant_model",
+    )
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
+    parser.add_argument("--json", required=True)
+
+
+def _timed(fn, *args) -> tuple[list[int], float]:
+    t0 = time.perf_counter()
+    tokens = fn(*args)
+    return tokens, time.perf_counter() - t0
+
+
+def _entry(tokens: list[int], seconds: float) -> dict:
+    return {"tokens": len(tokens), "seconds": seconds, "tokens_per_s": len(tokens) / seconds}
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows = read_prompts(args.prompts, args.limit)
+    spec = spec_from_args(args)
+    engine, target = build_engine(spec)
+    assistant = None
+    if args.compare == "hf" and spec.draft not in ("none", "ngram"):
+        assistant = load_model(spec.draft, target.dtype, spec.device).model  # unmodified copy for transformers
+    eos = target.tokenizer.eos_token_ids
+    n = args.max_new_tokens
+    base_cfg = GenerationConfig(n, speculate=False)
+    spec_cfg = GenerationConfig(n, speculate=True)
+
+    warm = target.tokenizer.chat_ids([{"role": "user", "content": "Say hi."}])
+    run_engine(engine, warm, GenerationConfig(4, speculate=False))
+    run_engine(engine, warm, GenerationConfig(8))
+    if assistant is not None:
+        hf_generate(target.model, warm, 4, eos, assistant)
+
+    total = SpecStats()
+    results = []
+    for i, row in enumerate(rows):
+        prompt = target.tokenizer.chat_ids([{"role": "user", "content": row["prompt"]}])
+        base, base_s = _timed(run_engine, engine, prompt, base_cfg)
+        stats = SpecStats()
+        spec_tokens, spec_s = _timed(run_engine, engine, prompt, spec_cfg, stats)
+        total.merge(stats)
+        div = first_divergence(base, spec_tokens)
+        entry = {
+            "category": row.get("category", ""),
+            "prompt": row["prompt"],
+            "prompt_tokens": len(prompt),
+            "baseline": _entry(base, base_s),
+            "speculative": {
+                **_entry(spec_tokens, spec_s),
+                **stats.as_dict(),
+                "identical_to_baseline": div is None,
+                "first_divergence": None if div is None else explain_divergence(target.model, prompt, base, div),
+            },
+        }
+        if args.compare == "hf":
+            hf_plain, hf_plain_s = _timed(hf_generate, target.model, prompt, n, eos)
+            entry["hf_generate"] = {**_entry(hf_plain, hf_plain_s), "identical_to_baseline": hf_plain == base}
+            if assistant is not None:
+                hf_tokens, hf_s = _timed(hf_generate, target.model, prompt, n, eos, assistant)
+                entry["hf_assisted"] = {**_entry(hf_tokens, hf_s), "identical_to_baseline": hf_tokens == base}
+        entry["speedup"] = entry["speculative"]["tokens_per_s"] / entry["baseline"]["tokens_per_s"]
+        results.append(entry)
+        print(
+            f"[{i + 1}/{len(rows)}] {entry['category']:10s} base {entry['baseline']['tokens_per_s']:.2f} tok/s, "
+            f"spec {entry['speculative']['tokens_per_s']:.2f} tok/s ({entry['speedup']:.2f}×, "
+            f"acc {stats.draft_acceptance_rate:.0%}, identical={div is None})"
+            + (f", hf_assisted {entry['hf_assisted']['tokens_per_s']:.2f}" if "hf_assisted" in entry else ""),
+            file=sys.stderr,
+            flush=True,
+        )
+
+    summary = summarize(results, total)
+    drafter = engine.drafter_factory() if engine.drafter_factory else None
+    summary["config"] = {
+        **vars(spec),
+        "max_new_tokens": n,
+        "threads": torch.get_num_threads(),
+        "target_min_feed": target.min_feed,
+        "draft_min_prob": getattr(drafter, "min_prob", None),
+    }
+    out = {"definitions": DEFINITIONS, "summary": summary, "prompts": results}
+    Path(args.json).write_text(json.dumps(out, indent=2))
+    print(json.dumps({k: v for k, v in summary.items() if k != "per_category"}, indent=2), file=sys.stderr)
+    return 0

@@ -1,0 +1,211 @@
+// The panels: everything on the page is rendered from S, at most every 40 ms, by looking each element up by id
+// (Gradio may re-render a block at any time).
+import { drawPlots } from './plots.js';
+import { $, esc, fmt, pct, S } from './state.js';
+
+export function note(text, kind = 'info') {
+  S.messages.push({ text, kind, t: Date.now() });
+  if (S.messages.length > 4) S.messages.shift();
+  render();
+}
+
+let renderPending = false;
+export function render() {
+  if (renderPending) return;
+  renderPending = true;
+  setTimeout(() => {
+    renderPending = false;
+    try {
+      renderAll();
+    } catch (e) {
+      console.error('specvoice render', e);
+    }
+  }, 40);
+}
+
+export function setText(id, text) {
+  const el = $(id);
+  if (el && el.textContent !== text) el.textContent = text;
+}
+
+function setHtml(id, html) {
+  const el = $(id);
+  if (el && el.dataset.html !== html) {
+    el.innerHTML = html;
+    el.dataset.html = html;
+  }
+}
+
+function renderAll() {
+  renderStatus();
+  renderControls();
+  renderMetrics();
+  renderWaterfall();
+  renderTranscript();
+  renderAb();
+  drawPlots();
+}
+
+function renderStatus() {
+  const st = S.status;
+  let text;
+  let cls = 'loading';
+  let progress = 0;
+  if (!S.connected) text = 'Connecting to the server…';
+  else if (!st) text = 'Waiting for the server…';
+  else if (st.error) {
+    text = `Model loading failed: ${st.error}`;
+    cls = 'failed';
+  } else if (!st.ready) {
+    const secs = st.elapsed_s + (Date.now() - S.statusAt) / 1000;
+    text = `Loading models — ${st.stage} (${secs.toFixed(0)} s). What you type or say now is answered when `
+      + 'they are ready.';
+    progress = Math.max(0, st.step) / st.steps;
+    setTimeout(render, 1000); // keep the elapsed time ticking
+  } else {
+    const e = st.engine || {};
+    text = `Ready — LLM ${e.llm}; ASR ${e.asr}; TTS ${e.tts}; loaded and warmed up in ${fmt(st.load_s, 1)} s`;
+    cls = 'ready';
+    progress = 1;
+  }
+  setText('model-steps', st ? st.step_s.map(([name, s]) => `${name} ${fmt(s, 1)} s`).join(' · ') : '');
+  if (S.audioError) text += ` · ${S.audioError}`;
+  else if (S.ctx && S.ctx.state === 'suspended') text += ' · click anywhere to enable sound';
+  setText('model-status', text);
+  const el = $('model-status');
+  if (el) el.className = `sv-status ${cls}`;
+  const bar = $('model-progress');
+  if (bar) bar.value = progress;
+  setHtml('sv-messages', S.messages.map((m) => `<div class="sv-msg sv-msg-${m.kind}">${esc(m.text)}</div>`)
+    .join(''));
+}
+
+function renderControls() {
+  const hf = $('handsfree');
+  if (hf) {
+    const on = S.micMode === 'handsfree';
+    hf.setAttribute('aria-pressed', String(on));
+    hf.classList.toggle('sv-on', on);
+    setText('handsfree', `● Hands-free: ${on ? 'on' : 'off'}`);
+  }
+  const ptt = $('ptt');
+  if (ptt) ptt.classList.toggle('sv-on', S.micMode === 'ptt');
+  const level = $('mic-level');
+  if (level) level.value = S.micMode ? S.micLevel : 0;
+  setText('vad-state', S.micMode ? S.vad : 'mic off');
+  setText('partial-transcript', S.partial ? `“${S.partial}”` : '');
+  const st = S.status;
+  const drafter = $('drafter');
+  if (drafter && st && st.drafters) {
+    for (const opt of drafter.options) opt.disabled = !st.drafters.includes(opt.value);
+    if (!S.touched.has('drafter') && st.drafters.length && !st.drafters.includes(drafter.value)) {
+      drafter.value = st.drafters[0];
+    }
+  }
+  const k = $('k-policy');
+  if (k && st && st.k && !S.touched.has('k-policy') && [...k.options].some((o) => o.value === st.k)) k.value = st.k;
+  const temp = $('temperature');
+  if (temp && st && st.temperature !== undefined && !S.touched.has('temperature')) temp.value = st.temperature;
+  if (temp) setText('temperature-value', Number(temp.value).toFixed(1));
+  for (const [id, name] of [['export-report', 'report.html'], ['export-csv', 'turns.csv'],
+    ['export-json', 'turns.json']]) {
+    const a = $(id);
+    if (a && S.exportBase) a.setAttribute('href', `${S.exportBase}/${name}`);
+  }
+}
+
+function renderMetrics() {
+  const t = S.turns[S.current];
+  if (!t) return;
+  const d = t.data;
+  setText('ttfa-ms', d ? fmt(d.ttfa_ms) : '…');
+  setText('ttfa-heard-ms', t.heard ? fmt(t.heard.ttfa_heard_ms) : (t.kind === 'ab' ? 'n/a' : '…'));
+  setText('heard-delay-ms', t.heard ? fmt(t.heard.heard_delay_ms) : '–');
+  setText('tokens-per-s', fmt(d ? d.tokens_per_s : t.tokensPerS, 1));
+  if (!t.speculation) {
+    setText('acceptance-rate', 'off');
+    setText('tokens-per-forward', 'off');
+  } else if (d) {
+    setText('acceptance-rate', pct(d.draft_acceptance_rate));
+    setText('tokens-per-forward', fmt(d.tokens_per_target_forward, 2));
+  } else {
+    setText('acceptance-rate', t.proposed ? pct(t.accepted / t.proposed) : '…');
+    setText('tokens-per-forward', t.forwards ? fmt(t.emitted / t.forwards, 2) : '…');
+  }
+}
+
+function renderWaterfall() {
+  const t = S.turns[S.current];
+  const d = t?.data;
+  setText('waterfall-mode', t ? `turn ${t.turn}, speculation ${t.speculation ? 'on' : 'off'}` : '');
+  if (!d || !d.ttfa_ms) {
+    const why = !d ? 'waiting for the first audio…' : d.cancelled ? 'interrupted before its first audio'
+      : 'the answer had no audio';
+    setHtml('waterfall', t ? `<div class="sv-def">${why}</div>` : '');
+    return;
+  }
+  const heard = t.heard?.ttfa_heard_ms;
+  const total = Math.max(d.ttfa_ms, heard || 0);
+  let start = 0;
+  const rows = S.stages.map((name, i) => {
+    const v = d.stages[name] || 0;
+    const row = `<div class="sv-wf-row"><span class="sv-wf-label">${esc(name)}</span><span class="sv-wf-track">`
+      + `<span class="sv-wf-bar sv-stage-${i}" style="left:${(100 * start) / total}%;width:${(100 * v) / total}%">`
+      + `</span></span><span class="sv-wf-ms">${fmt(v)} ms</span></div>`;
+    start += v;
+    return row;
+  });
+  rows.push(`<div class="sv-wf-row sv-wf-total"><span class="sv-wf-label">TTFA</span><span class="sv-wf-track">`
+    + `<span class="sv-wf-bar sv-wf-ttfa" style="left:0;width:${(100 * d.ttfa_ms) / total}%"></span></span>`
+    + `<span class="sv-wf-ms">${fmt(d.ttfa_ms)} ms</span></div>`);
+  if (heard) {
+    rows.push(`<div class="sv-wf-row"><span class="sv-wf-label">heard</span><span class="sv-wf-track">`
+      + `<span class="sv-wf-bar sv-wf-heard" style="left:${(100 * d.ttfa_ms) / total}%;`
+      + `width:${(100 * Math.max(0, heard - d.ttfa_ms)) / total}%"></span></span>`
+      + `<span class="sv-wf-ms">${fmt(heard)} ms</span></div>`);
+  }
+  setHtml('waterfall', rows.join(''));
+}
+
+function renderTranscript() {
+  const parts = S.order.slice(-50).map((id) => { // the export keeps them all
+    const t = S.turns[id];
+    const mode = `<span class="sv-mode sv-mode-${t.speculation ? 'on' : 'off'}">spec ${t.speculation ? 'on' : 'off'}`
+      + `${t.kind === 'ab' ? ` · A/B ${t.ab}.${t.ab_repeat + 1}` : ''}</span>`;
+    const spans = t.pieces.map(([text, draft]) => {
+      const cls = draft === true ? 'tok-draft' : draft === false ? 'tok-target' : 'tok-unknown';
+      return `<span class="${cls}">${esc(text)}</span>`;
+    }).join('');
+    const state = t.data ? (t.data.cancelled ? ' <em>(interrupted)</em>' : '') : ' <em>…</em>';
+    const user = t.kind === 'ab' && t.ab_repeat + (t.speculation ? 1 : 0) > 0 ? ''
+      : `<div class="sv-user"><b>You</b> (${esc(t.kind)}): ${esc(t.transcript)}</div>`;
+    return `<div class="sv-turn" data-turn="${id}">${user}<div class="sv-agent"><b>Agent</b> ${mode} `
+      + `${spans}${state}</div></div>`;
+  });
+  setHtml('transcript', parts.join(''));
+  const el = $('transcript');
+  if (el) el.scrollTop = el.scrollHeight;
+}
+
+function renderAb() {
+  const parts = S.abOrder.slice().reverse().map((ab) => {
+    const r = S.ab[ab];
+    const s = r.summary;
+    let head = `<div class="sv-ab-head"><b>A/B ${ab}</b> ${r.spoken ? 'spoken, replayed' : 'typed'} “${esc(r.text)}” — `;
+    if (!r.finished) head += `running, ${r.done}/${r.repeats} pairs…`;
+    else if (s?.n) {
+      const ci = s.ratio_on_off_ci95;
+      head += `TTFA on ÷ off: <b class="sv-ab-diff">${fmt(s.ratio_on_off_median, 2)}</b> `
+        + (s.n > 1 ? `(median; 95% CI ${fmt(ci[0], 2)} to ${fmt(ci[1], 2)}, ${s.n} pairs)` : '(1 pair: no interval)');
+    } else head += 'no complete pair';
+    head += '</div>';
+    const rows = (r.pairs || []).map((p) => `<tr><td>${p.repeat + 1}</td>`
+      + `<td>${fmt(p.off.ttfa_ms)} <button class="sv-play" data-play="${p.off.turn}">▶</button></td>`
+      + `<td>${fmt(p.on.ttfa_ms)} <button class="sv-play" data-play="${p.on.turn}">▶</button></td>`
+      + `<td>${pct(p.on.draft_acceptance_rate)}</td></tr>`).join('');
+    const table = rows ? `<table class="sv-ab-table"><tr><th>#</th><th>off TTFA ms</th><th>on TTFA ms</th>`
+      + `<th>acceptance</th></tr>${rows}</table>` : '';
+    return `<div class="sv-ab" data-ab="${ab}">${head}${table}</div>`;
+  });
+  setHtml('ab-results', parts.join(''));
+}
