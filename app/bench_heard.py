@@ -17,7 +17,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from pipeline.agent import AgentConfig
 from pipeline.options import add_agent_arguments, agent_config_from_args
@@ -57,7 +57,7 @@ def tiny_config() -> AgentConfig:
     """Random tiny target + draft (instant to load, gibberish answers); real ASR and TTS.
 
     One turn of history: the tiny target's 512-token context holds no more next to the system prompt."""
-    return AgentConfig(engine=TINY_ENGINE, history_turns=1)
+    return AgentConfig(engine=replace(TINY_ENGINE), history_turns=1)  # a copy: callers may change it
 
 
 def free_port() -> int:

@@ -39,7 +39,9 @@ class TinyEngine:
     """The tiny random target/draft pair (float32, whole draft, no int8): instant to load, gibberish answers.
     Every test on the tiny engine starts from this one spec; the models load once per test run, on first use."""
 
-    spec = TINY_ENGINE
+    @property
+    def spec(self) -> EngineSpec:
+        return dataclasses.replace(TINY_ENGINE)  # a copy: a test may change its own, never the next test's
 
     def spec_with(self, **changes: object) -> EngineSpec:
         """The spec with some fields changed, e.g. the draft's levers: spec_with(draft_quant="int8")."""

@@ -148,6 +148,10 @@ def test_report_from_turn_dicts():
     assert report.render_html([]).startswith("<!doctype html>")  # an empty session still exports
 
 
+# ---------------------------------------------------------------------------------------------- over a socket
+
+
+@pytest.fixture(scope="module")
 def app():
     with running_app(max_concurrent_answers=1) as running:
         wait_ready(running)
