@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 DEFINITIONS: dict[str, str] = {
     "draft_acceptance_rate": "accepted draft tokens ÷ proposed draft tokens (vLLM's definition)",
@@ -117,23 +117,15 @@ class SpecStats:
             self.per_position_accepted.append(0)
 
     def merge(self, other: SpecStats) -> None:
-        """Add another generation's counters to these."""
-        for name in (
-            "target_forwards",
-            "speculative_steps",
-            "proposed",
-            "accepted",
-            "emitted",
-            "rejections",
-            "draft_seconds",
-            "draft_forwards",
-            "verify_seconds",
-        ):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
+        """Add another generation's counters to these: every field, so a counter added later is merged too."""
         self._grow_positions(len(other.per_position_proposed))
-        for i, (p, a) in enumerate(zip(other.per_position_proposed, other.per_position_accepted)):
-            self.per_position_proposed[i] += p
-            self.per_position_accepted[i] += a
+        for f in fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if isinstance(mine, list):  # per-position counts, added position by position
+                for i, n in enumerate(theirs):
+                    mine[i] += n
+            else:
+                setattr(self, f.name, mine + theirs)
 
     @property
     def draft_acceptance_rate(self) -> float:
