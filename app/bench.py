@@ -1,5 +1,6 @@
-"""`specvoice bench`: target-only, this engine and transformers' assisted generation, interleaved per prompt
-in one process, on the same models, dtype and threads. Progress on stderr, JSON out."""
+"""`specvoice bench`: target-only, this engine and transformers' assisted generation (and, with --llamacpp,
+llama.cpp on the target's GGUF), interleaved per prompt in one process, on the same models, dtype and threads.
+Progress on stderr, JSON out."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ import torch
 
 from pipeline.options import add_engine_arguments, spec_from_args
 from specdec.bench import explain_divergence, first_divergence, hf_generate, read_prompts, run_engine, summarize
-from specdec.build import build_engine
+from specdec.build import DTYPES, build_engine
 from specdec.engine import GenerationConfig
+from specdec.llamacpp import LlamaCppModel
 from specdec.metrics import DEFINITIONS, SpecStats
 from specdec.models import load_model
 
@@ -31,6 +33,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="hf: also run transformers' generate() target-only and with assistant_model",
     )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
+    parser.add_argument(
+        "--llamacpp",
+        action="store_true",
+        help="also run llama.cpp (llama-cpp-python, scripts/setup.sh --llama) on the target preset's GGUF, same "
+        "prompt tokens and threads, and report its tok/s beside ours (CPU only)",
+    )
     parser.add_argument("--json", required=True)
 
 
@@ -49,10 +57,15 @@ def main(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     rows = read_prompts(args.prompts, args.limit)
     spec = spec_from_args(args)
+    llama = None
+    if args.llamacpp:  # before our models load: a missing package or a non-preset target fails in seconds
+        if spec.device != "cpu":
+            raise ValueError(f"--llamacpp compares CPU runs (llama.cpp is built for CPUs); got --device {spec.device}")
+        llama = LlamaCppModel.from_preset(spec.target, n_threads=torch.get_num_threads())
     engine, target = build_engine(spec)
     assistant = None
     if args.compare == "hf" and spec.draft not in ("none", "ngram"):
-        assistant = load_model(spec.draft, target.dtype, spec.device).model  # unmodified copy for transformers
+        assistant = load_model(spec.draft, DTYPES[spec.dtype], spec.device).model  # unmodified, for transformers
     eos = target.tokenizer.eos_token_ids
     n = args.max_new_tokens
     base_cfg = GenerationConfig(n, speculate=False)
@@ -63,6 +76,8 @@ def main(args: argparse.Namespace) -> int:
     run_engine(engine, warm, GenerationConfig(8))
     if assistant is not None:
         hf_generate(target.model, warm, 4, eos, assistant)
+    if llama is not None:
+        llama.generate(warm, 8, eos)
 
     total = SpecStats()
     results = []
@@ -91,13 +106,22 @@ def main(args: argparse.Namespace) -> int:
             if assistant is not None:
                 hf_tokens, hf_s = _timed(hf_generate, target.model, prompt, n, eos, assistant)
                 entry["hf_assisted"] = {**_entry(hf_tokens, hf_s), "identical_to_baseline": hf_tokens == base}
+        if llama is not None:
+            run = llama.generate(prompt, n, eos)
+            entry["llamacpp"] = {
+                **_entry(run.tokens, run.seconds),
+                "decode_tokens_per_s": run.decode_tokens_per_s,
+                "identical_to_baseline": run.tokens == base,
+                "first_divergence": first_divergence(base, run.tokens),  # a token index only: other weights
+            }
         entry["speedup"] = entry["speculative"]["tokens_per_s"] / entry["baseline"]["tokens_per_s"]
         results.append(entry)
         print(
             f"[{i + 1}/{len(rows)}] {entry['category']:10s} base {entry['baseline']['tokens_per_s']:.2f} tok/s, "
             f"spec {entry['speculative']['tokens_per_s']:.2f} tok/s ({entry['speedup']:.2f}×, "
             f"acc {stats.draft_acceptance_rate:.0%}, identical={div is None})"
-            + (f", hf_assisted {entry['hf_assisted']['tokens_per_s']:.2f}" if "hf_assisted" in entry else ""),
+            + (f", hf_assisted {entry['hf_assisted']['tokens_per_s']:.2f}" if "hf_assisted" in entry else "")
+            + (f", llama.cpp {entry['llamacpp']['tokens_per_s']:.2f}" if "llamacpp" in entry else ""),
             file=sys.stderr,
             flush=True,
         )

@@ -10,9 +10,11 @@ import sys
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("app.generate", "answer one prompt with (or without) speculation"),
     "bench": ("app.bench", "target-only vs speculative vs transformers assisted, side by side"),
+    "bench-target": ("app.bench_target", "the target's weight formats: forward cost, memory, speed, drift"),
     "calibrate": ("app.calibrate", "measure forward costs and acceptance, fit the latency model"),
     "say": ("app.say", "one voice turn from a WAV recording"),
     "bench-voice": ("app.bench_voice", "paired speculation off/on TTFA over many recordings"),
+    "bench-asr": ("app.bench_asr", "ASR word error rate and latency over synthetic voices, per model and option"),
     "app": ("app.server", "start the browser app"),
     "bench-heard": ("app.bench_heard", "heard delay in headless Chromium over typed turns (needs the test extra)"),
     "casestudy": ("app.casestudy", "reproduce and explain the 700 ms → 240 ms case study"),

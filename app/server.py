@@ -22,8 +22,7 @@ from starlette.responses import Response
 from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from pipeline.agent import AgentConfig, VoiceAgent
-from pipeline.asr import Transcriber
+from pipeline.agent import AgentConfig, VoiceAgent, make_transcriber
 from pipeline.options import add_agent_arguments, agent_config_from_args
 from pipeline.timeline import STAGES
 from pipeline.tts import make_tts
@@ -128,7 +127,7 @@ class ModelLoader:
 
     def _build_agent(self, progress: Callable[[int], None]) -> VoiceAgent:
         progress(0)
-        transcriber = Transcriber(self.config.asr_model)
+        transcriber = make_transcriber(self.config)
         progress(1)
         tts = make_tts(self.config.tts)
         progress(2)
@@ -187,14 +186,18 @@ class ModelLoader:
         return status
 
     def describe(self) -> dict:
-        e = self.config.engine
-        llm = self.config.llm_url or f"{e.target} + {e.draft} ({e.dtype}, {e.device})"
+        """The configuration in words, for the page. Its defaults are the measured fastest (docs/results.md)."""
+        c, e = self.config, self.config.engine
+        target = f"{e.target} {e.dtype if e.target_quant == 'none' else e.target_quant}"
+        draft = e.draft if e.draft in ("none", "ngram") else f"{e.draft} {e.draft_quant}"
+        window = f"{c.asr_window_s:g} s window" if c.asr_window_s else "30 s window"
         return {
-            "llm": llm,
-            "asr": self.config.asr_model,
-            "tts": self.config.tts,
+            "llm": c.llm_url or f"{target} + {draft} ({e.device})",
+            "asr": f"{c.asr_model}, beam {c.asr_beam_size}, {window}",
+            "tts": c.tts,
             "k": e.k,
-            "hangover_ms": self.config.hangover_ms,
+            "hangover_ms": c.hangover_ms,
+            "first_chunk_words": c.first_chunk_words,
         }
 
 

@@ -14,7 +14,7 @@ from specdec.build import EngineSpec, build_engine
 from specdec.engine import EngineSession
 from specdec.tokenizer import shared_prefix_ids
 
-from .asr import StreamingTranscriber, Transcriber
+from .asr import DEFAULT_BEAM_SIZE, DEFAULT_WINDOW_S, StreamingTranscriber, Transcriber
 from .audio import SAMPLE_RATE, AudioError
 from .chunker import SpeechChunker
 from .llm import SYSTEM_PROMPT, EngineLLM, LLMStage, ReplyStats
@@ -30,9 +30,11 @@ EventSink = Callable[[str, object], None]
 class AgentConfig:
     engine: EngineSpec = field(default_factory=EngineSpec)
     asr_model: str = "tiny.en"
+    asr_beam_size: int = DEFAULT_BEAM_SIZE
+    asr_window_s: float | None = DEFAULT_WINDOW_S  # None: Whisper's full 30 s window
     tts: str = "hibari"
     hangover_ms: float = 300.0  # silence after the last voiced frame that ends the user's turn
-    first_chunk_words: int = 4
+    first_chunk_words: int = 3  # measured: 3 words cut the first-chunk stage from 770 to 568 ms (w8a8)
     max_new_tokens: int = 80
     history_turns: int = 4  # user/assistant pairs kept in the prompt
     system_prompt: str = SYSTEM_PROMPT
@@ -137,6 +139,10 @@ class Conversation:
         self.lock = threading.Lock()  # one answer at a time per conversation
 
 
+def make_transcriber(config: AgentConfig) -> Transcriber:
+    return Transcriber(config.asr_model, beam_size=config.asr_beam_size, window_s=config.asr_window_s)
+
+
 class VoiceAgent:
     WARMUP_STEPS = (
         "voice activity detection",
@@ -167,7 +173,7 @@ class VoiceAgent:
         if llm is None:
             self.engine, _ = build_engine(config.engine)
         self._shared_llm = llm
-        self.transcriber = transcriber or Transcriber(config.asr_model)
+        self.transcriber = transcriber or make_transcriber(config)
         self.tts = tts or make_tts(config.tts)
         self.shared_prefix: list[int] = []  # the system prompt's tokens, cached once per conversation
 

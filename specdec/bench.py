@@ -93,6 +93,18 @@ def _median_ratio(results: list[dict], num: str, den: str) -> float | None:
     return statistics.median(ratios) if ratios else None
 
 
+def _llamacpp_summary(results: list[dict]) -> dict:
+    """bench --llamacpp's figures (metrics.DEFINITIONS); absent from a run without it, so its keys stay as they were."""
+    runs = [r["llamacpp"] for r in results if "llamacpp" in r]
+    if not runs:
+        return {}
+    return {
+        "llamacpp_tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in runs),
+        "speculative_vs_llamacpp": _median_ratio(results, "speculative", "llamacpp"),
+        "llamacpp_identical_fraction": sum(r["identical_to_baseline"] for r in runs) / len(runs),
+    }
+
+
 def summarize(results: list[dict], total: SpecStats) -> dict:
     base_s_per_token = sum(r["baseline"]["seconds"] for r in results) / max(
         1, sum(r["baseline"]["tokens"] for r in results)
@@ -136,6 +148,7 @@ def summarize(results: list[dict], total: SpecStats) -> dict:
         )
         if "hf_assisted" in results[0]
         else None,
+        **_llamacpp_summary(results),
         "draft_acceptance_rate": total.draft_acceptance_rate,
         "tokens_per_target_forward": total.tokens_per_target_forward,
         "per_position_acceptance": total.per_position_acceptance,

@@ -12,6 +12,7 @@ from .engine import SpeculativeEngine
 from .kpolicy import AdaptiveK, FixedK, KPolicy
 from .kv import fastest_min_feed
 from .models import PRESETS, LoadedModel, check_memory, estimate_pair_bytes, load_model, log, quantize_int8
+from .quant import CALIBRATION_TEXT, quantize_linears, use_row_attention
 
 
 class IncompatibleDraftError(ValueError):
@@ -30,8 +31,12 @@ class EngineSpec:
     k_max: int = 6
     dtype: str = "bfloat16"
     device: str = "cpu"
+    # The target's Linear weights: "w8a8", "int8"/"int4" weight-only, or "none" (--dtype); see specdec/quant.py.
+    # w8a8 measured fastest with speculation on this CPU (docs/results.md, bench-target).
+    target_quant: str = "w8a8"
     # Cheaper draft forwards (lossless: the target verifies every token).
-    draft_quant: str = "int8"  # "int8" (dynamic quantization of Linear layers, CPU) or "none"
+    # "int8" (torch's dynamic quantization of Linear layers, CPU), "w8a8" (as --target-quant w8a8) or "none"
+    draft_quant: str = "int8"
     draft_vocab: int = 0  # draft LM head over the first N token ids; 0 keeps the whole vocabulary
     max_speculative_sequences: int = 4
     draft_min_prob: float | None = None  # stop drafting below this top-token probability; None: the preset's
@@ -41,7 +46,13 @@ class EngineSpec:
 # The tiny random pair (float32, whole draft, no int8): instant to load, gibberish answers. For tests and for
 # benchmarks of the plumbing (bench-heard) that need no real model.
 TINY_ENGINE = EngineSpec(
-    target="tiny-random-target", draft="tiny-random-draft", k="3", dtype="float32", draft_quant="none", draft_vocab=0
+    target="tiny-random-target",
+    draft="tiny-random-draft",
+    k="3",
+    dtype="float32",
+    target_quant="none",
+    draft_quant="none",
+    draft_vocab=0,
 )
 
 
@@ -74,12 +85,14 @@ def prepare_draft_model(draft: LoadedModel, spec: EngineSpec, target: LoadedMode
         ids = set(range(spec.draft_vocab)) | target.tokenizer.eos_token_ids
         keep_ids = torch.tensor(sorted(ids), device=draft.device)
         full_vocab = restrict_vocab(model, keep_ids)
+    if spec.draft_quant in ("int8", "w8a8") and draft.device.type != "cpu":
+        raise ValueError(f"--draft-quant {spec.draft_quant} is a CPU lever; use --draft-quant none on CUDA")
     if spec.draft_quant == "int8":
-        if draft.device.type != "cpu":
-            raise ValueError("--draft-quant int8 is a CPU lever; use --draft-quant none on CUDA")
         model = quantize_int8(model)
+    elif spec.draft_quant == "w8a8":
+        model = quantize_linears(model, "w8a8")
     elif spec.draft_quant != "none":
-        raise ValueError(f"--draft-quant must be int8 or none, got {spec.draft_quant!r}")
+        raise ValueError(f"--draft-quant must be int8, w8a8 or none, got {spec.draft_quant!r}")
     # Dynamic int8 scales activations per tensor, so a padded row would move the real row's logits (by up to
     # 0.4): feed it exactly, which is also its fastest width here (30 ms at one token, 32 at two).
     min_feed = 1 if spec.draft_quant == "int8" else fastest_min_feed(model, draft.device)
@@ -98,6 +111,13 @@ def build_engine(spec: EngineSpec) -> tuple[SpeculativeEngine, LoadedModel]:
     names = [spec.target] + ([spec.draft] if uses_draft_model else [])
     check_memory(estimate_pair_bytes(names, dtype), torch.device(spec.device))
     target = load_model(spec.target, dtype, spec.device)
+    if spec.target_quant != "none":
+        if target.device.type != "cpu":
+            raise ValueError("--target-quant is a CPU lever; use --target-quant none on CUDA")
+        calibration = torch.tensor([target.tokenizer.encode(CALIBRATION_TEXT)], device=target.device)
+        quantize_linears(target.model, spec.target_quant, calibration)
+        use_row_attention(target.model)
+        target.dtype = torch.float32  # what the unquantized rest computes in now
     factory: Callable[[], Drafter] | None = None
     if spec.draft == "ngram":
         factory = NGramDrafter

@@ -17,6 +17,23 @@ DEFINITIONS: dict[str, str] = {
     "prefill included; in a voice turn the decode rate, tokens after the first target step ÷ seconds from the first "
     "step's tokens to the last (the first step, with the prefill, is its own stage; it may carry several tokens "
     "with speculation, so they are left out in both modes)",
+    "decode_tokens_per_s": "bench --llamacpp, llama.cpp's run: tokens after the first ÷ seconds from the first new "
+    "token to the last (prompt processing and the first token left out)",
+    "llamacpp_tokens_per_s_median": "bench --llamacpp: median over prompts of llama.cpp's tokens_per_s (prefill "
+    "included, as ours): llama-cpp-python on the target preset's own GGUF file, the same prompt tokens, greedy, the "
+    "same thread count, every prompt from an empty KV cache like our engine's bench runs",
+    "speculative_vs_llamacpp": "bench --llamacpp: median over prompts of our speculative tokens_per_s ÷ llama.cpp's on "
+    "the same prompt; above 1 we are faster. llama.cpp computes with the quantized GGUF weights, our engine with the "
+    "dequantized model (--dtype, --target-quant), so the two answers can differ",
+    "llamacpp_identical_fraction": "bench --llamacpp: share of prompts whose llama.cpp greedy answer equals our "
+    "target-only answer token for token (quantized and dequantized arithmetic can break near-ties differently)",
+    "forward_ms": "bench-target: median milliseconds of one target forward feeding N new tokens on top of a "
+    "64-token KV cache, as the engine feeds them (N = 1 is a plain decode step, N = K + 1 verifies K drafts)",
+    "target_only_tokens_per_s": "bench-target: median over prompts of a target-only greedy answer's tokens_per_s",
+    "top1_agreement": "bench-target: teacher-forced over the reference target's greedy answers, the share of answer "
+    "positions where this target format's top token is the reference's token (drift of a quantized target)",
+    "mean_logprob": "bench-target: the mean log-probability this target format gives the reference target's greedy "
+    "answer tokens, teacher-forced (the reference's own value is the ceiling it is compared with)",
     "expected_speedup": "Leviathan et al.: (1 − α^(K+1)) / ((1 − α)(cK + 1)), c = draft forward ÷ target forward",
     "draft_cost_ratio": "c = seconds per draft forward ÷ seconds per target forward (in a speculative step)",
     "ttfa_ms": "time to first audio: end of the last voiced user audio → first answer sample out of the TTS "

@@ -221,6 +221,16 @@ def _single_gguf(preset: Preset) -> Path:
     return found[0]
 
 
+def gguf_path(preset: Preset) -> Path:
+    """The preset's whole GGUF file: split presets are joined once into cache_dir()/"gguf" and reused from there;
+    a single-file preset is read where its package keeps it."""
+    if preset.part_packages:
+        return _join_parts(preset, cache_dir() / "gguf")
+    if preset.single_gguf_package:
+        return _single_gguf(preset)
+    raise ModelLoadError(f"preset {preset.name!r} has no GGUF file")
+
+
 def offline_dir(preset: Preset) -> Path:
     """Directory holding a safetensors copy of the preset, dequantizing the GGUF on first use."""
     out = cache_dir() / "models" / preset.name
@@ -228,7 +238,9 @@ def offline_dir(preset: Preset) -> Path:
         return out
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = _join_parts(preset, cache_dir() / "gguf") if preset.part_packages else _single_gguf(preset)
+    # A joined GGUF that was already there is kept for its other user (the llama.cpp comparator, specdec/llamacpp.py).
+    joined_here = bool(preset.part_packages) and not (cache_dir() / "gguf" / preset.gguf_name).exists()
+    gguf = gguf_path(preset)
     log(f"{preset.name}: dequantizing {gguf.name} once (about 90 s on a 2-core CPU) …")
     t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16)
@@ -246,8 +258,8 @@ def offline_dir(preset: Preset) -> Path:
 
         shutil.rmtree(out)
     tmp.rename(out)
-    if preset.part_packages:
-        gguf.unlink()  # the joined copy is only needed for dequantizing
+    if joined_here:
+        gguf.unlink()  # a third copy of the weights (after the part packages and the safetensors), 1.1 GB for 1.5B
     log(f"{preset.name}: cached as safetensors in {out} ({time.perf_counter() - t0:.0f} s)")
     return out
 

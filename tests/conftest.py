@@ -60,6 +60,8 @@ class TinyEngine:
             s.k,
             "--dtype",
             s.dtype,
+            "--target-quant",
+            s.target_quant,
             "--draft-quant",
             s.draft_quant,
             "--draft-vocab",

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 from conftest import ROOT
+from speech import needs_espeak
 
 
 def specvoice(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -99,5 +100,58 @@ def test_bench_rejects_bad_prompt_file(tiny_engine, tmp_path):
 
 def test_every_subcommand_has_help():
     out = specvoice("--help").stdout
-    for name in ("generate", "bench", "calibrate", "say", "bench-voice", "app", "casestudy"):
+    for name in (
+        "generate",
+        "bench",
+        "bench-target",
+        "bench-asr",
+        "calibrate",
+        "say",
+        "bench-voice",
+        "app",
+        "casestudy",
+    ):
         assert name in out
+
+
+def test_bench_target_compares_formats_in_one_run(tiny_engine, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hello"}\n{"prompt": "count: 1 2 3"}\n')
+    out = tmp_path / "target.json"
+    specvoice(
+        "bench-target",
+        "--target",
+        tiny_engine.spec.target,
+        "--quants",
+        "none,w8a8,int4",
+        "--prompts",
+        str(prompts),
+        "--max-new-tokens",
+        "12",
+        "--repeats",
+        "1",
+        "--json",
+        str(out),
+    )
+    data = json.loads(out.read_text())
+    runs = {r["target_quant"]: r for r in data["runs"]}
+    assert list(runs) == ["none", "w8a8", "int4"] and data["reference"] == "none"
+    assert runs["none"]["identical_answers"] == 2  # the reference against itself
+    for run in runs.values():
+        assert set(run["forward_ms"]) == {"1", "2", "5", "9"} and run["target_only_tokens_per_s_median"] > 0
+        assert 0 < run["top1_agreement"] <= 1 and run["mean_logprob"] < 0
+    assert runs["w8a8"]["weight_bytes"] < runs["none"]["weight_bytes"]
+    assert "top1_agreement" in data["definitions"]
+
+
+@needs_espeak
+def test_bench_asr_reports_word_error_rate(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "What is the capital of France?"}\n')
+    out = tmp_path / "asr.json"
+    args = ["--voices", "espeak en-us", "--asr", "tiny.en", "--beams", "5", "--windows", "10", "--threads", "1"]
+    specvoice("bench-asr", "--prompts", str(prompts), *args, "--json", str(out))
+    data = json.loads(out.read_text())
+    (row,) = data["summary"]
+    assert row["clips"] == 1 and 0 <= row["wer"] <= 1
+    assert "wer" in " ".join(data["definitions"]).lower()

@@ -13,7 +13,10 @@ from conftest import ROOT
 
 PACKAGES = ("specdec", "pipeline", "casestudy", "app")
 # Imported only where a user picks that option, with an error saying what to install.
-OPTIONAL = {"TTS": "Coqui TTS (--tts coqui), which cannot run on a CPU-only torch"}
+OPTIONAL = {
+    "TTS": "Coqui TTS (--tts coqui), which cannot run on a CPU-only torch",
+    "llama_cpp": "llama-cpp-python (bench --llamacpp), the llama extra, built by scripts/setup.sh --llama; not in CI",
+}
 
 
 def _norm(name: str) -> str:

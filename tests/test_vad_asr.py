@@ -204,3 +204,22 @@ def test_speech_pause_starts_a_transcription_without_waiting_for_the_interval():
     assert rec.calls and rec.calls[0][0] - t0 < 0.5 and rec.calls[0][1] == 16000
     assert stream.finish() == "16000 samples"  # the paused-time transcript covered everything: reused
     assert len(rec.calls) == 1
+
+
+@needs_espeak
+def test_short_window_transcribes_short_and_long_turns(utterance, monkeypatch):
+    """The default 10 s encoder window: a short turn is encoded over 10 s, a longer one falls back to the full 30 s;
+    both are transcribed. Bad settings are refused."""
+    from faster_whisper import WhisperModel
+
+    tr = Transcriber("tiny.en", window_s=10)
+    encoded: list[int] = []
+    encode = WhisperModel.encode
+    monkeypatch.setattr(WhisperModel, "encode", lambda self, f: encoded.append(f.shape[-1]) or encode(self, f))
+    assert words(tr.transcribe(utterance)) == words(QUESTION)
+    long_turn = np.concatenate([utterance, np.zeros(12 * SAMPLE_RATE, np.float32), utterance])
+    assert words(QUESTION)[-1] in words(tr.transcribe(long_turn))
+    assert encoded[0] == 1000 and encoded[-1] == 3000  # mel frames: 10 ms each
+    for bad in ({"window_s": 0.5}, {"window_s": 31}, {"beam_size": 0}):
+        with pytest.raises(ValueError):
+            Transcriber("tiny.en", **bad)

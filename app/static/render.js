@@ -64,7 +64,8 @@ function renderStatus() {
     setTimeout(render, 1000); // keep the elapsed time ticking
   } else {
     const e = st.engine || {};
-    text = `Ready — LLM ${e.llm}; ASR ${e.asr}; TTS ${e.tts}; loaded and warmed up in ${fmt(st.load_s, 1)} s`;
+    text = `Ready — LLM ${e.llm}, K ${e.k}; ASR ${e.asr}; TTS ${e.tts}; turn ends after ${e.hangover_ms} ms of silence; `
+      + `first chunk ≤ ${e.first_chunk_words} words; loaded and warmed up in ${fmt(st.load_s, 1)} s`;
     cls = 'ready';
     progress = 1;
   }

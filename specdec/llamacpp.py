@@ -1,0 +1,117 @@
+"""llama.cpp as the yardstick (`specvoice bench --llamacpp`): the GGUF file our offline presets dequantize, run by
+llama-cpp-python on the very prompt tokens our engine gets, greedily, and timed the way bench times our engine.
+
+Fairness: bench's run_engine makes a new EngineSession per call, so our engine prefills every prompt from an empty
+KV cache (no prefix reuse between prompts, not even the shared chat-template head). llama-cpp-python instead reuses
+the longest common prefix of the previous call's tokens, so each generation here resets its state first: both
+engines start every prompt cold. The optional package is llama-cpp-python (`scripts/setup.sh --llama`); it is not
+installed in CI, so it is imported only when a comparator is made.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .models import PRESETS, gguf_path
+
+INSTALL_HINT = "run scripts/setup.sh --llama (it builds llama-cpp-python for this CPU, about 4 minutes)"
+
+
+def import_llama_cpp() -> Any:
+    """The llama_cpp module, or a ValueError saying how to install it (the CLI prints ValueErrors as errors)."""
+    try:
+        import llama_cpp
+    except ImportError as e:
+        raise ValueError(f"the llama.cpp comparator needs the optional package llama-cpp-python: {INSTALL_HINT}") from e
+    return llama_cpp
+
+
+@dataclass(frozen=True)
+class LlamaCppRun:
+    """One greedy generation by llama.cpp."""
+
+    tokens: list[int]  # new tokens, the EOS included when it came (as our engine emits it)
+    seconds: float  # prompt processing + decoding: what bench times for our engine's runs
+    decode_seconds: float  # from the first new token to the last (prefill and the first token excluded)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.tokens) / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        """Tokens after the first ÷ decode_seconds; None when there was only one token to time."""
+        if len(self.tokens) < 2 or self.decode_seconds <= 0:
+            return None
+        return (len(self.tokens) - 1) / self.decode_seconds
+
+
+class LlamaCppModel:
+    """A GGUF model loaded in llama.cpp for greedy, cold-start generation from token ids."""
+
+    def __init__(
+        self, model_path: str | Path, n_threads: int, n_ctx: int = 4096, n_batch: int = 512, seed: int = 0
+    ) -> None:
+        llama_cpp = import_llama_cpp()
+        self.path = Path(model_path)
+        self.n_ctx = n_ctx
+        # The same thread count for prompt processing as for decoding: torch uses one pool for both.
+        self.llm = llama_cpp.Llama(
+            model_path=str(self.path),
+            n_ctx=n_ctx,
+            n_threads=n_threads,
+            n_threads_batch=n_threads,
+            n_batch=n_batch,
+            seed=seed,
+            verbose=False,
+        )
+
+    @classmethod
+    def from_preset(cls, name: str, n_threads: int, **kwargs: Any) -> LlamaCppModel:
+        """The preset's own GGUF (joined once into the cache, then reused). Checks the package before the file."""
+        preset = PRESETS.get(name)
+        if preset is None or not (preset.part_packages or preset.single_gguf_package):
+            usable = [p.name for p in PRESETS.values() if p.part_packages or p.single_gguf_package]
+            raise ValueError(
+                f"the llama.cpp comparator runs a preset's GGUF file; {name!r} has none (use {', '.join(usable)})"
+            )
+        import_llama_cpp()  # fail before joining a gigabyte of parts
+        return cls(gguf_path(preset), n_threads, **kwargs)
+
+    def generate(self, prompt: list[int], max_new_tokens: int, eos: Iterable[int]) -> LlamaCppRun:
+        """Greedy (temperature 0) continuation of `prompt` (token ids, chat template already applied) until one
+        of `eos` or max_new_tokens, from an empty KV cache."""
+        if not prompt:
+            raise ValueError("empty prompt: nothing to answer")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
+        if len(prompt) + max_new_tokens > self.n_ctx:
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) + {max_new_tokens} new tokens exceed llama.cpp's context "
+                f"of {self.n_ctx} (n_ctx)"
+            )
+        stop = set(eos)
+        tokens: list[int] = []
+        t0 = time.perf_counter()
+        t_first = t0
+        # n_tokens = 0 makes generate() skip its prefix match and eval() drop every cached position: a cold start.
+        self.llm.reset()
+        # top_k 1 alongside temp 0 (greedy) so that no version's sampler chain can draw; no penalties.
+        steps = self.llm.generate(
+            prompt, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, frequency_penalty=0.0, reset=True
+        )
+        try:
+            for tok in steps:
+                if not tokens:
+                    t_first = time.perf_counter()
+                tokens.append(int(tok))
+                if tokens[-1] in stop or len(tokens) >= max_new_tokens:
+                    break  # before the generator evaluates this token: our engine never feeds its last token either
+        finally:
+            steps.close()
+        t_end = time.perf_counter()
+        return LlamaCppRun(tokens, t_end - t0, t_end - t_first)

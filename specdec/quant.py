@@ -1,0 +1,244 @@
+"""Weight-only quantized Linear layers for a CPU target: int8 per output channel, int4 per group of inputs.
+
+Weight-only, because every row of activations is multiplied on its own: a token's logits do not depend on how
+many tokens share its forward, so verifying K + 1 tokens at once gives what decoding them one by one would.
+Dynamic int8 (torch.ao) scales activations per tensor, which breaks that; it stays a draft-only lever.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING
+
+import torch
+
+from .models import release_free_memory
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+TARGET_QUANTS = ("none", "int8", "w8a8", "int4")
+INT4_GROUP = 32  # inputs per int4 scale; the GGUF source is Q4_K_M, quantized in groups of 32 too
+INT4_INNER_K_TILES = 2
+
+
+class Int8WeightLinear(torch.nn.Module):
+    """y = x · (q · s)ᵀ + b with q int8 [out, in] and s one scale per output channel, computed in bf16 (torch's
+    CPU kernel is ~9× slower with float32 activations)."""
+
+    qweight: torch.Tensor
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        w = linear.weight.detach().float()
+        scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0
+        self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
+        self._scale = scale.bfloat16()  # not a buffer: model.float() must leave it in bf16
+        self.packed_weight_bytes = self._scale.numel() * 2
+        self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach(), requires_grad=False)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        y = torch._weight_int8pack_mm(flat, self.qweight, self._scale).reshape(*x.shape[:-1], self.out_features)
+        y = y.to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+class Int8RowLinear(torch.nn.Module):
+    """W8A8 on fbgemm's dynamic int8 GEMM (the CPU's fastest int8 path), made row-independent.
+
+    fbgemm quantizes activations with one scale for the whole tensor, taken from its min and max, so a row's
+    result would depend on the other rows fed with it. Here each row is divided by its own max |x| first and two
+    constant inputs, +1 and -1 (against zero weight columns, so they add nothing), pin the tensor's range to
+    exactly [-1, 1]: every call quantizes with the same scale, each row at its own resolution, and int32 sums
+    are exact in any order. The row's scale is multiplied back afterwards.
+    """
+
+    _RANGE_PINS = torch.tensor([[1.0, -1.0]])
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        w = linear.weight.detach().float()
+        w = torch.cat([w, w.new_zeros(len(w), self._RANGE_PINS.shape[1])], dim=1)
+        scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0
+        zero = torch.zeros(len(w), dtype=torch.long)
+        with warnings.catch_warnings():  # quantized tensors are deprecated; fbgemm's prepacked GEMM is not
+            warnings.simplefilter("ignore")
+            qweight = torch.quantize_per_channel(w, scale, zero, 0, torch.qint8)
+        self._packed = torch.ops.quantized.linear_prepack(qweight, None)
+        self.packed_weight_bytes = w.numel() + 8 * len(w)  # int8 weights, a float64 scale per row
+        self.bias = (
+            None if linear.bias is None else torch.nn.Parameter(linear.bias.detach().float(), requires_grad=False)
+        )
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).float()
+        row_scale = flat.abs().amax(dim=1, keepdim=True).clamp(min=1e-8)
+        pinned = torch.cat([flat / row_scale, self._RANGE_PINS.expand(len(flat), -1)], dim=1)
+        # reduce_range: 7-bit activations, so fbgemm's 16-bit pair sums cannot saturate on CPUs without VNNI
+        y = torch.ops.quantized.linear_dynamic(pinned, self._packed, True) * row_scale
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+
+class Int4WeightLinear(torch.nn.Module):
+    """Asymmetric int4 weights in groups of INT4_GROUP inputs, packed for torch's CPU int4 matmul (bf16 in/out)."""
+
+    packed: torch.Tensor
+
+    def __init__(self, linear: torch.nn.Linear, group: int = INT4_GROUP) -> None:
+        super().__init__()
+        w = linear.weight.detach().float()  # [out, in]
+        out_f, in_f = w.shape
+        g = w.reshape(out_f, in_f // group, group)
+        lo, hi = g.amin(dim=2), g.amax(dim=2)
+        scale = (hi - lo).clamp(min=1e-6) / 15.0
+        q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).reshape(out_f, in_f)
+        zero = lo + 8.0 * scale  # the kernel computes (q - 8) · scale + zero
+        self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(q, INT4_INNER_K_TILES))
+        # [in/group, out, 2]: scale and zero of one group side by side, as the kernel reads them. Not a buffer, so
+        # model.float() leaves it in the bf16 the kernel needs.
+        self._scale_zero = torch.stack([scale, zero], dim=2).transpose(0, 1).contiguous().bfloat16()
+        self.packed_weight_bytes = self._scale_zero.numel() * 2
+        self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach(), requires_grad=False)
+        self.group, self.in_features, self.out_features = group, in_f, out_f
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        y = torch._weight_int4pack_mm_for_cpu(flat, self.packed, self.group, self._scale_zero)
+        y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+ROW_ATTENTION = "specvoice_rows"
+
+
+def row_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """Causal attention computed one query row at a time, each over exactly the keys it may see.
+
+    A fused kernel (SDPA) blocks its sums by how many rows it is given, so a token verified among K others comes out
+    a last bit different from the same token decoded alone; a quantized layer then rounds that bit into a whole int8
+    step now and then, and greedy output leaves the target-only path. Row by row, every row's matmuls have the
+    shapes that decoding that token alone has, so its result is the same bit for bit. One sequence, no padding:
+    the engine feeds nothing else. Costs about 1 ms per row fed (28 layers), i.e. per prompt token too.
+    """
+    if query.shape[0] != 1 or attention_mask is not None:
+        raise ValueError("row attention takes one unpadded sequence")
+    _, n_heads, rows, dim = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
+    # [1, kv_heads, heads per kv head, rows, dim]: each group of query heads shares one key/value head
+    grouped = query.view(1, kv_heads, n_heads // kv_heads, rows, dim)
+    scale = dim**-0.5 if scaling is None else scaling
+    out = query.new_empty(1, rows, n_heads, dim)
+    for i in range(rows):
+        seen = length - rows + i + 1
+        keys, values = key[:, :, :seen], value[:, :, :seen]
+        weights = torch.softmax(torch.matmul(grouped[:, :, :, i], keys.transpose(-1, -2)) * scale, dim=-1)
+        out[:, i] = torch.matmul(weights, values).reshape(1, n_heads, dim)
+    return out, None
+
+
+# Text whose activations set the smoothing scales: spoken-assistant English like the product's answers, written
+# here (never a benchmark prompt).
+CALIBRATION_TEXT = (
+    "Sure! Here is a quick answer. The water cycle moves water between the oceans, the air and the land: the sun "
+    "warms the sea, vapour rises, cools into clouds and falls again as rain or snow. To boil an egg, put it in "
+    "cold water, bring it to a boil, then simmer for nine minutes and cool it in ice water. In Python, reverse a "
+    "list with items[::-1] or items.reverse(). Three tips for better sleep: keep a regular schedule, avoid screens "
+    "an hour before bed, and keep the room cool and dark. Paris is the capital of France; it has about two million "
+    "people. Would you like me to explain any of these in more detail?"
+)
+SMOOTHING_ALPHA = 0.5  # SmoothQuant's balance between activation and weight ranges
+
+
+@torch.inference_mode()
+def smooth_mlp_inputs(model: PreTrainedModel, calibration_ids: torch.Tensor, alpha: float = SMOOTHING_ALPHA) -> None:
+    """SmoothQuant for each MLP's down projection, before w8a8: its input (act(gate) · up) has channels far larger
+    than the rest, and one per-token scale then leaves the small ones a few int8 steps. Channel j is divided by
+    s_j = max|x_j|^α / max|W_down[:, j]|^(1 − α) and W_down's column j multiplied by it; the division is folded
+    into up_proj's row j, so the float model computes the same function and nothing is added at run time."""
+    mlps = [m for m in model.modules() if all(hasattr(m, n) for n in ("gate_proj", "up_proj", "down_proj"))]
+    peaks: dict[int, torch.Tensor] = {}
+
+    def record(mlp_index: int):
+        def hook(module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+            peak = args[0].detach().abs().float().reshape(-1, args[0].shape[-1]).amax(dim=0)
+            peaks[mlp_index] = torch.maximum(peaks[mlp_index], peak) if mlp_index in peaks else peak
+
+        return hook
+
+    handles = [mlp.down_proj.register_forward_pre_hook(record(i)) for i, mlp in enumerate(mlps)]
+    try:
+        model(input_ids=calibration_ids)
+    finally:
+        for h in handles:
+            h.remove()
+    for i, mlp in enumerate(mlps):
+        down, up = mlp.down_proj.weight, mlp.up_proj.weight
+        w_peak = down.detach().abs().float().amax(dim=0).clamp(min=1e-5)
+        scale = (peaks[i].clamp(min=1e-5) ** alpha / w_peak ** (1 - alpha)).clamp(min=1e-5)
+        down.copy_((down.float() * scale[None, :]).to(down.dtype))
+        up.copy_((up.float() / scale[:, None]).to(up.dtype))
+        if mlp.up_proj.bias is not None:
+            mlp.up_proj.bias.copy_((mlp.up_proj.bias.float() / scale).to(mlp.up_proj.bias.dtype))
+
+
+def _int4_or_int8(linear: torch.nn.Linear) -> torch.nn.Module:
+    """int4 where the packed kernel takes the shape (outputs a multiple of 16), else int8 weight-only."""
+    if linear.out_features % 16 or linear.in_features % INT4_GROUP:
+        return Int8WeightLinear(linear)
+    return Int4WeightLinear(linear)
+
+
+def quantize_linears(
+    model: PreTrainedModel, quant: str, calibration_ids: torch.Tensor | None = None
+) -> PreTrainedModel:
+    """Replace every Linear layer in place, the LM head included (a head tied to the input embeddings gets its own
+    quantized copy: a float head would be the one layer left whose rows depend on each other), and run the rest
+    (embeddings, norms, attention) in float32.
+
+    float32, because a bf16 remainder rounds a row differently when it shares its forward with other rows, and a
+    quantized layer turns that last-bit difference into a whole int8 step now and then: with a bf16 remainder, 3 of
+    6 speculative answers left target-only's greedy path. float32 is also 2–7% faster here.
+
+    calibration_ids: token ids of CALIBRATION_TEXT; given, w8a8 smooths the MLPs' down projections first.
+    """
+    if quant == "none":
+        return model
+    make = {"int8": Int8WeightLinear, "w8a8": Int8RowLinear, "int4": _int4_or_int8}.get(quant)
+    if make is None:
+        raise ValueError(f"--target-quant must be one of {', '.join(TARGET_QUANTS)}, got {quant!r}")
+    if quant == "w8a8" and calibration_ids is not None:
+        smooth_mlp_inputs(model, calibration_ids)
+    for parent in [m for m in model.modules() if any(type(c) is torch.nn.Linear for c in m.children())]:
+        for name, child in list(parent.named_children()):
+            if type(child) is torch.nn.Linear:
+                setattr(parent, name, make(child))
+    embeddings = model.get_input_embeddings()
+    table_dtype = embeddings.weight.dtype
+    model.float()
+    # The embedding table stays as loaded (bf16: 445 MB less for the 1.5B) and hands out float32 rows, the same
+    # values a float32 table would (bf16 → float32 is exact).
+    embeddings.to(table_dtype)
+    embeddings.register_forward_hook(lambda module, args, out: out.float())
+    release_free_memory()
+    return model
+
+
+def use_row_attention(model: PreTrainedModel) -> None:
+    """Make the model attend with row_attention: with quantized layers, a must for a lossless target."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ROW_ATTENTION, row_attention)
+    model.set_attn_implementation(ROW_ATTENTION)
