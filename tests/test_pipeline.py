@@ -105,7 +105,7 @@ def test_typed_turn_streams_in_order_and_fills_timeline():
     assert set(d["stages"]) == set(STAGES) and math.isclose(sum(d["stages"].values()), d["ttfa_ms"])
     assert d["first_chunk_tokens"] < len(llm.words)  # audio started before the answer was complete
     assert events.index("token") < events.index("chunk") < events.index("audio") < events.index("done")
-    assert agent.tts.spoken[0] == "Sure, the capital of"  # the first chunk is cut early
+    assert agent.tts.spoken[0] == "Sure, the capital"  # the first chunk is cut early: 3 words by default
     assert conv.history[-1] == {"role": "assistant", "content": d["answer"]}
 
 
