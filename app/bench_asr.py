@@ -29,6 +29,7 @@ from pipeline.audio import SAMPLE_RATE, load_audio, to_mono_16k
 from pipeline.options import positive_int
 from pipeline.tts import HibariTTS, PiperTTS
 from pipeline.wer import corpus_word_error_rate, word_edits
+from specdec.bench import read_prompts
 
 DEFAULT_PROMPTS = "../shared/prompts/voice_prompts.jsonl"
 ESPEAK_WPM = 175  # espeak-ng's default speaking rate, words per minute
@@ -102,14 +103,6 @@ def synthesize(voice: Voice, texts: list[str], threads: int) -> list[np.ndarray]
         return [_espeak(t, voice, espeak) for t in texts]
     tts = PiperTTS(threads=threads) if voice.engine == "piper" else HibariTTS(threads=threads)
     return [to_mono_16k(np.concatenate(list(tts.stream(t))), tts.sample_rate) for t in texts]
-
-
-def load_prompts(path: str, limit: int) -> list[str]:
-    rows = [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
-    prompts = [row["prompt"] for row in rows][:limit]
-    if not prompts:
-        raise ValueError(f"no prompts in {path}")
-    return prompts
 
 
 def p90(values: list[float]) -> float:
@@ -190,7 +183,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     started = time.monotonic()
-    prompts = load_prompts(args.prompts, args.limit)
+    prompts = [row["prompt"] for row in read_prompts(args.prompts, args.limit)]
     notes: list[str] = []
 
     def note(message: str) -> None:

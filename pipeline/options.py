@@ -38,8 +38,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--draft-quant",
         default=d.draft_quant,
-        choices=["int8", "w8a8", "none"],
-        help="int8: torch's dynamic int8 Linear layers for the draft (CPU); w8a8: as --target-quant w8a8",
+        choices=["int8", "none"],
+        help="int8: dynamic int8 Linear layers for the draft (CPU)",
     )
     parser.add_argument(
         "--draft-vocab",

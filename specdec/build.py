@@ -35,8 +35,7 @@ class EngineSpec:
     # w8a8 measured fastest with speculation on this CPU (docs/results.md, bench-target).
     target_quant: str = "w8a8"
     # Cheaper draft forwards (lossless: the target verifies every token).
-    # "int8" (torch's dynamic quantization of Linear layers, CPU), "w8a8" (as --target-quant w8a8) or "none"
-    draft_quant: str = "int8"
+    draft_quant: str = "int8"  # "int8" (dynamic quantization of Linear layers, CPU) or "none"
     draft_vocab: int = 0  # draft LM head over the first N token ids; 0 keeps the whole vocabulary
     max_speculative_sequences: int = 4
     draft_min_prob: float | None = None  # stop drafting below this top-token probability; None: the preset's
@@ -85,14 +84,12 @@ def prepare_draft_model(draft: LoadedModel, spec: EngineSpec, target: LoadedMode
         ids = set(range(spec.draft_vocab)) | target.tokenizer.eos_token_ids
         keep_ids = torch.tensor(sorted(ids), device=draft.device)
         full_vocab = restrict_vocab(model, keep_ids)
-    if spec.draft_quant in ("int8", "w8a8") and draft.device.type != "cpu":
-        raise ValueError(f"--draft-quant {spec.draft_quant} is a CPU lever; use --draft-quant none on CUDA")
     if spec.draft_quant == "int8":
+        if draft.device.type != "cpu":
+            raise ValueError("--draft-quant int8 is a CPU lever; use --draft-quant none on CUDA")
         model = quantize_int8(model)
-    elif spec.draft_quant == "w8a8":
-        model = quantize_linears(model, "w8a8")
     elif spec.draft_quant != "none":
-        raise ValueError(f"--draft-quant must be int8, w8a8 or none, got {spec.draft_quant!r}")
+        raise ValueError(f"--draft-quant must be int8 or none, got {spec.draft_quant!r}")
     # Dynamic int8 scales activations per tensor, so a padded row would move the real row's logits (by up to
     # 0.4): feed it exactly, which is also its fastest width here (30 ms at one token, 32 at two).
     min_feed = 1 if spec.draft_quant == "int8" else fastest_min_feed(model, draft.device)

@@ -1,8 +1,9 @@
-"""Weight-only quantized Linear layers for a CPU target: int8 per output channel, int4 per group of inputs.
+"""Quantized Linear layers for a CPU target (w8a8, int8 or int4 weight-only) that keep speculation lossless.
 
-Weight-only, because every row of activations is multiplied on its own: a token's logits do not depend on how
-many tokens share its forward, so verifying K + 1 tokens at once gives what decoding them one by one would.
-Dynamic int8 (torch.ao) scales activations per tensor, which breaks that; it stays a draft-only lever.
+Lossless needs every row of a forward computed on its own: a token verified among K others must get the logits
+it gets decoded alone. The weight-only kernels multiply each row separately; w8a8 pins fbgemm's per-tensor
+activation scale (Int8RowLinear); row_attention does the same for attention. torch.ao's dynamic int8 scales
+activations per tensor and stays a draft-only lever.
 """
 
 from __future__ import annotations
