@@ -14,7 +14,7 @@ import torch
 
 from pipeline.options import add_engine_arguments, spec_from_args
 from specdec.bench import explain_divergence, first_divergence, hf_generate, read_prompts, run_engine, summarize
-from specdec.build import DTYPES, build_engine
+from specdec.build import DTYPES, NOT_MODELS, build_engines
 from specdec.engine import GenerationConfig
 from specdec.llamacpp import LlamaCppModel
 from specdec.metrics import DEFINITIONS, SpecStats
@@ -39,6 +39,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also run llama.cpp (llama-cpp-python, scripts/setup.sh --llama) on the target preset's GGUF, same "
         "prompt tokens and threads, and report its tok/s beside ours (CPU only)",
     )
+    parser.add_argument(
+        "--drafters",
+        default="",
+        help="comma-separated --draft values to run side by side on the same target, e.g. qwen-0.5b,heads,ngram, "
+        "and heads:FILE for more heads (summary.drafters); the summary's own keys stay --draft's",
+    )
     parser.add_argument("--json", required=True)
 
 
@@ -52,6 +58,33 @@ def _entry(tokens: list[int], seconds: float) -> dict:
     return {"tokens": len(tokens), "seconds": seconds, "tokens_per_s": len(tokens) / seconds}
 
 
+DRAFTER_SUMMARY_KEYS = (
+    "speedup_median",
+    "speculative_tokens_per_s_median",
+    "greedy_identical_fraction",
+    "draft_acceptance_rate",
+    "per_position_acceptance",
+    "tokens_per_target_forward",
+    "draft_cost_ratio",
+    "mean_k",
+    "per_category",
+)
+
+
+def drafter_summary(results: list[dict], name: str, total: SpecStats, resident_bytes_added: int) -> dict:
+    """summarize()'s figures for one of the side-by-side drafters, and the memory it added."""
+    view = [
+        {
+            **r,
+            "speculative": r["drafters"][name],
+            "speedup": r["drafters"][name]["tokens_per_s"] / r["baseline"]["tokens_per_s"],
+        }
+        for r in results
+    ]
+    full = summarize(view, total)
+    return {**{k: full[k] for k in DRAFTER_SUMMARY_KEYS}, "resident_bytes_added": resident_bytes_added}
+
+
 def main(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -62,9 +95,11 @@ def main(args: argparse.Namespace) -> int:
         if spec.device != "cpu":
             raise ValueError(f"--llamacpp compares CPU runs (llama.cpp is built for CPUs); got --device {spec.device}")
         llama = LlamaCppModel.from_preset(spec.target, n_threads=torch.get_num_threads())
-    engine, target = build_engine(spec)
+    drafters = list(dict.fromkeys([spec.draft, *filter(None, args.drafters.split(","))]))
+    engines, target, added_bytes = build_engines(spec, drafters)
+    engine = engines[spec.draft]
     assistant = None
-    if args.compare == "hf" and spec.draft not in ("none", "ngram"):
+    if args.compare == "hf" and spec.draft not in NOT_MODELS:
         assistant = load_model(spec.draft, DTYPES[spec.dtype], spec.device).model  # unmodified, for transformers
     eos = target.tokenizer.eos_token_ids
     n = args.max_new_tokens
@@ -73,33 +108,39 @@ def main(args: argparse.Namespace) -> int:
 
     warm = target.tokenizer.chat_ids([{"role": "user", "content": "Say hi."}])
     run_engine(engine, warm, GenerationConfig(4, speculate=False))
-    run_engine(engine, warm, GenerationConfig(8))
+    for e in engines.values():
+        run_engine(e, warm, GenerationConfig(8))
     if assistant is not None:
         hf_generate(target.model, warm, 4, eos, assistant)
     if llama is not None:
         llama.generate(warm, 8, eos)
 
-    total = SpecStats()
+    totals = {name: SpecStats() for name in drafters}
     results = []
     for i, row in enumerate(rows):
         prompt = target.tokenizer.chat_ids([{"role": "user", "content": row["prompt"]}])
         base, base_s = _timed(run_engine, engine, prompt, base_cfg)
-        stats = SpecStats()
-        spec_tokens, spec_s = _timed(run_engine, engine, prompt, spec_cfg, stats)
-        total.merge(stats)
-        div = first_divergence(base, spec_tokens)
+        runs = {}
+        for name, e in engines.items():  # each drafter right after the same baseline, interleaved per prompt
+            stats = SpecStats()
+            spec_tokens, spec_s = _timed(run_engine, e, prompt, spec_cfg, stats)
+            totals[name].merge(stats)
+            div = first_divergence(base, spec_tokens)
+            runs[name] = {
+                **_entry(spec_tokens, spec_s),
+                **stats.as_dict(),
+                "identical_to_baseline": div is None,
+                "first_divergence": None if div is None else explain_divergence(target.model, prompt, base, div),
+            }
         entry = {
             "category": row.get("category", ""),
             "prompt": row["prompt"],
             "prompt_tokens": len(prompt),
             "baseline": _entry(base, base_s),
-            "speculative": {
-                **_entry(spec_tokens, spec_s),
-                **stats.as_dict(),
-                "identical_to_baseline": div is None,
-                "first_divergence": None if div is None else explain_divergence(target.model, prompt, base, div),
-            },
+            "speculative": runs[spec.draft],
         }
+        if len(drafters) > 1:
+            entry["drafters"] = runs
         if args.compare == "hf":
             hf_plain, hf_plain_s = _timed(hf_generate, target.model, prompt, n, eos)
             entry["hf_generate"] = {**_entry(hf_plain, hf_plain_s), "identical_to_baseline": hf_plain == base}
@@ -116,17 +157,26 @@ def main(args: argparse.Namespace) -> int:
             }
         entry["speedup"] = entry["speculative"]["tokens_per_s"] / entry["baseline"]["tokens_per_s"]
         results.append(entry)
+        base_rate = entry["baseline"]["tokens_per_s"]
         print(
-            f"[{i + 1}/{len(rows)}] {entry['category']:10s} base {entry['baseline']['tokens_per_s']:.2f} tok/s, "
-            f"spec {entry['speculative']['tokens_per_s']:.2f} tok/s ({entry['speedup']:.2f}×, "
-            f"acc {stats.draft_acceptance_rate:.0%}, identical={div is None})"
+            f"[{i + 1}/{len(rows)}] {entry['category']:10s} base {base_rate:.2f} tok/s, "
+            + ", ".join(
+                f"{name} {r['tokens_per_s']:.2f} tok/s ({r['tokens_per_s'] / base_rate:.2f}×, "
+                f"acc {r['draft_acceptance_rate']:.0%}, identical={r['identical_to_baseline']})"
+                for name, r in runs.items()
+            )
             + (f", hf_assisted {entry['hf_assisted']['tokens_per_s']:.2f}" if "hf_assisted" in entry else "")
             + (f", llama.cpp {entry['llamacpp']['tokens_per_s']:.2f}" if "llamacpp" in entry else ""),
             file=sys.stderr,
             flush=True,
         )
 
-    summary = summarize(results, total)
+    summary = summarize(results, totals[spec.draft])
+    summary["drafter_resident_bytes_added"] = added_bytes[spec.draft]
+    if len(drafters) > 1:
+        summary["drafters"] = {
+            name: drafter_summary(results, name, totals[name], added_bytes[name]) for name in drafters
+        }
     drafter = engine.drafter_factory() if engine.drafter_factory else None
     summary["config"] = {
         **vars(spec),

@@ -19,7 +19,7 @@ from specdec.build import EngineSpec, build_engine
 from specdec.calibrate import measured_forward_seconds
 from specdec.engine import GenerationConfig
 from specdec.metrics import DEFINITIONS
-from specdec.models import release_free_memory
+from specdec.models import release_free_memory, resident_bytes
 from specdec.quant import TARGET_QUANTS
 
 
@@ -33,11 +33,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=5, help="timed forwards per point (median)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     parser.add_argument("--json", required=True)
-
-
-def resident_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

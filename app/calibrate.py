@@ -41,6 +41,8 @@ def main(args: argparse.Namespace) -> int:
     engine, target = build_engine(spec)
     if engine.drafter_factory is None:
         raise ValueError("calibrate needs a drafter: --draft MODEL or --draft ngram")
+    if engine.drafter_kind == "heads":  # its cost is not one model forward; bench measures it as draft_cost_ratio
+        raise ValueError("calibrate times a draft model's forward; for --draft heads see `specvoice bench`")
     engine.auto_off = False  # measure every K as it is, even where it loses
     device = target.device
     t_start = time.perf_counter()

@@ -50,7 +50,7 @@ def controls_html(max_text_chars: int, max_ab_repeats: int) -> str:
   <h3>Speculative decoding</h3>
   <label class="sv-switch"><input type="checkbox" id="speculation" checked> speculation</label>
   <label>drafter <select id="drafter"><option value="draft-model">draft model</option>
-    <option value="ngram">n-gram</option></select></label>
+    <option value="heads">draft heads</option><option value="ngram">n-gram</option></select></label>
   <label>K <select id="k-policy">{k_options}</select></label>
   <label>temperature <input id="temperature" type="range" min="0" max="1.5" step="0.1" value="0">
     <output id="temperature-value">0.0</output></label>

@@ -205,7 +205,8 @@ def available_drafters(agent: VoiceAgent) -> list[str]:
     """Drafters a conversation may switch to (EngineLLM.configure): none for a remote LLM."""
     if agent.engine is None:
         return []
-    return (["draft-model"] if agent.engine.has_draft_model else []) + ["ngram"]
+    own = agent.engine.drafter_kind
+    return ([own] if own in ("draft-model", "heads") else []) + ["ngram"]
 
 
 # ------------------------------------------------------------------------------------------- the app

@@ -24,6 +24,7 @@ from pipeline.agent import Conversation, TurnResult, ab_order
 from pipeline.audio import SAMPLE_RATE, resample
 from pipeline.mic import MicInput
 from pipeline.timeline import Timeline
+from specdec.engine import DRAFTER_KINDS
 from specdec.stats import paired_ratio
 
 from . import report
@@ -221,7 +222,7 @@ class ClientSession:
         if "speculation" in m:
             s["speculation"] = bool(m["speculation"])
         if m.get("drafter") is not None:
-            if m["drafter"] not in ("draft-model", "ngram"):
+            if m["drafter"] not in DRAFTER_KINDS:
                 raise ValueError(f"unknown drafter {m['drafter']!r}")
             s["drafter"] = m["drafter"]
         if m.get("k") is not None:

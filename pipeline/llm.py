@@ -92,7 +92,7 @@ class EngineLLM:
         self.k: str | None = None  # None: the engine's default K policy
 
     def configure(self, drafter: str | None = None, k: str | None = None, temperature: float | None = None) -> None:
-        """Per-conversation controls: drafter ("draft-model" / "ngram"), K ("4" / "adaptive"), temperature."""
+        """Per-conversation controls: drafter ("draft-model" / "heads" / "ngram"), K ("4" / "adaptive"), temperature."""
         if drafter is not None:
             if self.session is None:
                 raise ValueError("switching drafters needs a conversation session")

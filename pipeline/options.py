@@ -22,7 +22,16 @@ def positive_int(value: str) -> int:
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     d = EngineSpec()
     parser.add_argument("--target", default=d.target, help="preset, local directory or hub id")
-    parser.add_argument("--draft", default=d.draft, help="draft preset/path/hub id, 'ngram' or 'none'")
+    parser.add_argument(
+        "--draft",
+        default=d.draft,
+        help="draft preset/path/hub id, 'heads' (draft heads on the target), 'ngram' or 'none'",
+    )
+    parser.add_argument(
+        "--heads",
+        default=d.heads,
+        help="--draft heads: a heads file from `specvoice train-heads` (default: the target's shipped heads)",
+    )
     parser.add_argument("--k", default=d.k, help="drafts per step: an integer or 'adaptive'")
     parser.add_argument("--k-min", type=int, default=d.k_min)
     parser.add_argument("--k-max", type=int, default=d.k_max)
@@ -75,6 +84,7 @@ def spec_from_args(args: argparse.Namespace) -> EngineSpec:
     return EngineSpec(
         target=args.target,
         draft=args.draft,
+        heads=args.heads,
         k=args.k,
         k_min=args.k_min,
         k_max=args.k_max,

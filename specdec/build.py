@@ -4,15 +4,27 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from .drafters import Drafter, DraftModelDrafter, NGramDrafter, restrict_vocab
 from .engine import SpeculativeEngine
+from .heads import HEADS_MIN_PROB, HeadsDrafter, default_heads_path, load_heads
 from .kpolicy import AdaptiveK, FixedK, KPolicy
 from .kv import fastest_min_feed
-from .models import PRESETS, LoadedModel, check_memory, estimate_pair_bytes, load_model, log, quantize_int8
-from .quant import CALIBRATION_TEXT, quantize_linears, use_row_attention
+from .models import (
+    PRESETS,
+    LoadedModel,
+    check_memory,
+    estimate_pair_bytes,
+    load_model,
+    log,
+    quantize_int8,
+    release_free_memory,
+    resident_bytes,
+)
+from .quant import CALIBRATION_TEXT, Int8RowLinear, quantize_linears, replace_linears, use_row_attention
 
 
 class IncompatibleDraftError(ValueError):
@@ -25,7 +37,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 @dataclass(kw_only=True)  # many same-typed fields, easily swapped: every caller names them
 class EngineSpec:
     target: str = "qwen-1.5b"
-    draft: str = "qwen-0.5b"  # a model, "ngram", or "none"
+    # A model, "heads" (draft heads on the target), "ngram", or "none". heads: as fast as the 0.5B draft here, 1.1 GB
+    # less memory, and no drafting before the first token, so speculation no longer delays it (docs/results.md).
+    draft: str = "heads"
+    heads: str = ""  # --draft heads: the heads file; "" for the target preset's shipped ones (assets/heads/)
     k: str = "adaptive"  # an integer, or "adaptive"
     k_min: int = 3
     k_max: int = 6
@@ -95,39 +110,97 @@ def prepare_draft_model(draft: LoadedModel, spec: EngineSpec, target: LoadedMode
     min_feed = 1 if spec.draft_quant == "int8" else fastest_min_feed(model, draft.device)
     min_prob = spec.draft_min_prob
     if min_prob is None:
-        preset = PRESETS.get(spec.draft)
+        preset = PRESETS.get(draft.name)
         min_prob = preset.draft_min_prob if preset else 0.0
     return lambda: DraftModelDrafter(model, draft.device, keep_ids, full_vocab, min_feed, min_prob)
 
 
+def quantize_target(target: LoadedModel, quant: str, row_attention: bool = True) -> None:
+    """The target's Linear layers in `quant` (specdec/quant.py), in place. row_attention: as a lossless verifier
+    needs it; off for batched, padded generation (heads training data), which row attention cannot take."""
+    if quant == "none":
+        return
+    if target.device.type != "cpu":
+        raise ValueError("--target-quant is a CPU lever; use --target-quant none on CUDA")
+    calibration = torch.tensor([target.tokenizer.encode(CALIBRATION_TEXT)], device=target.device)
+    quantize_linears(target.model, quant, calibration)
+    if row_attention:
+        use_row_attention(target.model)
+    target.dtype = torch.float32  # what the unquantized rest computes in now
+
+
+def heads_drafter_factory(spec: EngineSpec, target: LoadedModel, path: Path) -> Callable[[], Drafter]:
+    """Draft heads for the target (call before it is quantized: they copy float rows of its LM head), int8 on the CPU
+    with --draft-quant int8 (the same row-wise w8a8 layers as the target's)."""
+    heads = load_heads(path, target.model, spec.target).to(target.device)
+    if spec.draft_quant == "int8" and target.device.type == "cpu":
+        replace_linears(heads, Int8RowLinear)
+    min_prob = spec.draft_min_prob if spec.draft_min_prob is not None else HEADS_MIN_PROB
+    log(f"draft heads: {heads.cfg.kind}, {len(heads.vocab_ids)}-token vocabulary, {spec.draft_quant}, from {path}")
+    return lambda: HeadsDrafter(heads, min_prob)
+
+
+NOT_MODELS = ("none", "ngram", "heads")  # --draft values that load no draft model
+
+
+def heads_path(name: str, spec: EngineSpec) -> Path | None:
+    """The heads file a drafter name asks for: "heads" (--heads, else the target's shipped ones) or "heads:FILE"
+    (bench compares several); None for other drafters."""
+    if name == "heads":
+        return Path(spec.heads) if spec.heads else default_heads_path(spec.target)
+    return Path(name.removeprefix("heads:")) if name.startswith("heads:") else None
+
+
 def build_engine(spec: EngineSpec) -> tuple[SpeculativeEngine, LoadedModel]:
+    engines, target, _ = build_engines(spec, [spec.draft])
+    return engines[spec.draft], target
+
+
+def build_engines(
+    spec: EngineSpec, drafts: list[str]
+) -> tuple[dict[str, SpeculativeEngine], LoadedModel, dict[str, int]]:
+    """One target and an engine for each --draft value in `drafts`, all sharing that target (spec.draft is not
+    read); and the resident memory each drafter added to the process while it was made (bench compares them)."""
     dtype = DTYPES.get(spec.dtype)
     if dtype is None:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {spec.dtype!r}")
-    uses_draft_model = spec.draft not in ("none", "ngram")
-    names = [spec.target] + ([spec.draft] if uses_draft_model else [])
-    check_memory(estimate_pair_bytes(names, dtype), torch.device(spec.device))
+    heads = {name: path for name in drafts if (path := heads_path(name, spec)) is not None}
+    models = [d for d in drafts if d not in NOT_MODELS and d not in heads]
+    check_memory(estimate_pair_bytes([spec.target, *models], dtype), torch.device(spec.device))
     target = load_model(spec.target, dtype, spec.device)
-    if spec.target_quant != "none":
-        if target.device.type != "cpu":
-            raise ValueError("--target-quant is a CPU lever; use --target-quant none on CUDA")
-        calibration = torch.tensor([target.tokenizer.encode(CALIBRATION_TEXT)], device=target.device)
-        quantize_linears(target.model, spec.target_quant, calibration)
-        use_row_attention(target.model)
-        target.dtype = torch.float32  # what the unquantized rest computes in now
-    factory: Callable[[], Drafter] | None = None
-    if spec.draft == "ngram":
-        factory = NGramDrafter
-    elif uses_draft_model:
-        draft = load_model(spec.draft, dtype, spec.device)
-        check_pair(target, draft)
-        factory = prepare_draft_model(draft, spec, target)
+    factories: dict[str, Callable[[], Drafter] | None] = {"none": None, "ngram": NGramDrafter}
+    added = {"none": 0, "ngram": 0}
+
+    def make(name: str, build: Callable[[], Callable[[], Drafter]]) -> None:
+        release_free_memory()
+        before = resident_bytes()
+        factories[name] = build()
+        release_free_memory()
+        added[name] = resident_bytes() - before
+
+    for name, path in heads.items():  # before the target is quantized: the heads copy float rows of its LM head
+
+        def load(path: Path = path) -> Callable[[], Drafter]:
+            return heads_drafter_factory(spec, target, path)
+
+        make(name, load)
+    quantize_target(target, spec.target_quant)
+    for name in models:
+
+        def load_draft(name: str = name) -> Callable[[], Drafter]:
+            draft = load_model(name, dtype, spec.device)
+            check_pair(target, draft)
+            return prepare_draft_model(draft, spec, target)
+
+        make(name, load_draft)
     # The target's first forward comes after the draft is ready: its memory-mapped weights are paged in only then,
     # so the draft's load-time temporaries never add to them (the app's peak RSS was 6.7 GiB, now its steady 5.0).
     target.min_feed = fastest_min_feed(target.model, target.device)
     if target.min_feed > 1:
         log(f"{target.name}: one-token steps are fed as two (a one-row matmul is slower here)")
-    engine = SpeculativeEngine(
-        target, factory, k_policy_factory(spec.k, spec.k_min, spec.k_max), spec.max_speculative_sequences, spec.auto_off
-    )
-    return engine, target
+    k_policy = k_policy_factory(spec.k, spec.k_min, spec.k_max)
+    engines = {
+        name: SpeculativeEngine(target, factories[name], k_policy, spec.max_speculative_sequences, spec.auto_off)
+        for name in drafts
+    }
+    return engines, target, {name: added[name] for name in drafts}

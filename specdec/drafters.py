@@ -24,7 +24,8 @@ class Proposal:
 class Drafter(Protocol):
     """Proposes tokens for the target to verify; verification and acceptance live in the engine."""
 
-    kind: str  # "draft-model", "ngram", …: what the app's drafter menu and the reports call it
+    kind: str  # "draft-model", "ngram", "heads": what the app's drafter menu and the reports call it
+    reads_target_hidden: bool  # wants the target's last hidden states through observe()
 
     def propose(
         self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
@@ -36,6 +37,10 @@ class Drafter(Protocol):
 
     def rollback(self, length: int) -> None:
         """Forget state past the first `length` tokens of the conversation."""
+
+    def observe(self, tokens: list[int], start: int, hidden: torch.Tensor) -> None:
+        """After each target forward (for a drafter that reads_target_hidden): the target now holds `tokens`, the
+        verified conversation, and `hidden` are its last hidden states at positions start … len(tokens) − 1."""
 
 
 def restrict_vocab(model: PreTrainedModel, keep_ids: torch.Tensor) -> int:
@@ -77,6 +82,7 @@ class DraftModelDrafter:
         min_prob: float = 0.0,
     ) -> None:
         self.kind = "draft-model"
+        self.reads_target_hidden = False
         self.model = model
         self.cache = PrefixCache(model, device, min_feed)
         self.keep_ids = keep_ids
@@ -122,6 +128,9 @@ class DraftModelDrafter:
     def rollback(self, length: int) -> None:
         self.cache.rollback(length)
 
+    def observe(self, tokens: list[int], start: int, hidden: torch.Tensor) -> None:
+        pass  # it reads its own model's states
+
 
 class NGramDrafter:
     """Prompt lookup: find the latest earlier occurrence of the context's last n tokens and propose
@@ -129,6 +138,7 @@ class NGramDrafter:
 
     def __init__(self, max_ngram: int = 4, min_ngram: int = 1) -> None:
         self.kind = "ngram"
+        self.reads_target_hidden = False
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
 
@@ -141,6 +151,9 @@ class NGramDrafter:
         pass  # it reads the context it is given; nothing to keep
 
     def rollback(self, length: int) -> None:
+        pass
+
+    def observe(self, tokens: list[int], start: int, hidden: torch.Tensor) -> None:
         pass
 
 

@@ -53,6 +53,9 @@ class StepEvent:
         return len(self.drafted)
 
 
+DRAFTER_KINDS = ("draft-model", "heads", "ngram")  # what a conversation may switch to (the engine's own or n-gram)
+
+
 class EngineSession:
     """KV caches kept across answers of one conversation: each answer then prefills only what is new
     (the caches crop themselves to the common prefix). Not for concurrent use."""
@@ -60,25 +63,42 @@ class EngineSession:
     def __init__(self, engine: SpeculativeEngine) -> None:
         self.engine = engine
         self.target = PrefixCache(engine.target.model, engine.target.device, engine.target.min_feed)
-        self.drafter = engine.drafter_factory() if engine.drafter_factory else None
+        self.drafter: Drafter | None = None
+        self._set_drafter(engine.drafter_factory() if engine.drafter_factory else None)
+
+    def _set_drafter(self, drafter: Drafter | None) -> None:
+        reads_hidden = drafter is not None and drafter.reads_target_hidden
+        if reads_hidden and not self.target.keep_hidden:
+            self.target.reset()  # its features start with the next forward, so that forward must see everything
+        self.target.keep_hidden = reads_hidden
+        self.drafter = drafter
 
     def use_drafter(self, kind: str) -> None:
-        """Switch this conversation's drafter: "draft-model" (the engine's) or "ngram"."""
+        """Switch this conversation's drafter: the engine's own ("draft-model" or "heads") or "ngram"."""
+        if kind not in DRAFTER_KINDS:
+            raise ValueError(f"drafter must be one of {', '.join(DRAFTER_KINDS)}, got {kind!r}")
         if kind == "ngram":
-            self.drafter = NGramDrafter()
-        elif kind == "draft-model":
-            factory = self.engine.drafter_factory
-            if not self.engine.has_draft_model or factory is None:  # a draft model implies its factory
-                raise ValueError("no draft model loaded: start with --draft MODEL to use it")
-            self.drafter = factory()
-        else:
-            raise ValueError(f"drafter must be 'draft-model' or 'ngram', got {kind!r}")
+            self._set_drafter(NGramDrafter())
+            return
+        factory = self.engine.drafter_factory
+        if self.engine.drafter_kind != kind or factory is None:  # the engine's own kind implies its factory
+            hint = {"draft-model": "draft model loaded: start with --draft MODEL to use it"}
+            hint["heads"] = "draft heads loaded: start with --draft heads to use them"
+            raise ValueError(f"no {hint[kind]}")
+        self._set_drafter(factory())
+
+    def observer(self) -> Drafter | None:
+        """The drafter to hand the target's hidden states to, if it reads them."""
+        return self.drafter if self.target.keep_hidden else None
 
     def prefill(self, ids: list[int]) -> None:
         """Warm both caches on a prefix that every answer shares (the system prompt)."""
         self.target.extend(ids)
         if self.drafter is not None:
             self.drafter.prefill(ids)
+        observer = self.observer()
+        if observer is not None:
+            observe_target(observer, self.target)
 
     def rollback(self, length: int) -> None:
         self.target.rollback(length)
@@ -97,6 +117,14 @@ class _Answer:
     policy: KPolicy
     governor: SpeculationGovernor = field(default_factory=SpeculationGovernor)
     produced: int = 0
+    observer: Drafter | None = None  # reads the target's hidden states after every forward, drafting or not
+
+
+def observe_target(drafter: Drafter, target: PrefixCache) -> None:
+    """Hand the drafter the target's hidden states of the positions its last forward fed and kept."""
+    assert target.hidden is not None, "keep_hidden was off for that forward"
+    kept = len(target.tokens) - target.hidden_start
+    drafter.observe(list(target.tokens), target.hidden_start, target.hidden[:kept])
 
 
 class SpeculativeEngine:
@@ -125,10 +153,6 @@ class SpeculativeEngine:
         self.auto_off = auto_off  # let the governor switch speculation off when it measures it slower
         self._active = 0
         self._lock = threading.Lock()
-
-    @property
-    def has_draft_model(self) -> bool:
-        return self.drafter_kind == "draft-model"
 
     def check_prompt(self, prompt_ids: list[int], max_new_tokens: int = 1) -> None:
         if max_new_tokens < 1:
@@ -159,6 +183,7 @@ class SpeculativeEngine:
             config.max_new_tokens <= room,
             session.drafter if config.speculate else None,
             (config.k_policy or self.k_policy_factory)(),
+            observer=session.observer(),
         )
         gen = torch.Generator(device=self.target.device).manual_seed(config.seed)
         stats = stats if stats is not None else SpecStats()
@@ -212,6 +237,12 @@ class SpeculativeEngine:
         t1 = time.perf_counter()
         drafts = proposal.tokens if proposal else []
         n_acc, nxt = self._verify(target, answer.ctx, proposal, params, gen)
+        if answer.observer is not None:
+            try:
+                observe_target(answer.observer, target)
+            except Exception as e:  # as for a failing propose: the answer goes on with the target alone
+                note = f"drafter failed ({type(e).__name__}: {e}); continuing target-only"
+                answer.drafter = answer.observer = None
         t2 = time.perf_counter()
         emitted, finish = self._trim(drafts[:n_acc] + [nxt], answer)
         # Count only what the answer keeps: drafts past EOS (or the budget) were never needed.

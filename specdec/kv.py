@@ -11,7 +11,7 @@ import torch
 from .tokenizer import common_prefix_length
 
 if TYPE_CHECKING:  # transformers loads lazily, at the first forward
-    from transformers import DynamicCache
+    from transformers import DynamicCache, PreTrainedModel
 
 
 class PrefixCache:
@@ -22,12 +22,17 @@ class PrefixCache:
     row's logits (by up to 0.2–0.4 for the 0.5B draft). That stays lossless (the q a draft records is the q it
     sampled from), but it would make acceptance depend on how tokens are fed, so int8 drafts use min_feed 1."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device, min_feed: int = 1) -> None:
+    def __init__(self, model: PreTrainedModel, device: torch.device, min_feed: int = 1) -> None:
         self.model = model
         self.device = device
         self.min_feed = min_feed
         self.tokens: list[int] = []
         self.kv: DynamicCache | None = None
+        # keep_hidden: each extend also keeps the last hidden states (the LM head's input) of the positions it fed,
+        # hidden[i] at position hidden_start + i, for a drafter that reads them (draft heads)
+        self.keep_hidden = False
+        self.hidden: torch.Tensor | None = None
+        self.hidden_start = 0
 
     def reset(self) -> None:
         self.tokens = []
@@ -62,14 +67,19 @@ class PrefixCache:
         pad = max(0, self.min_feed - len(new))
         ids = torch.tensor([new + new[-1:] * pad], device=self.device)
         try:
-            out = self.model(input_ids=ids, cache=self.kv, use_cache=True, logits_to_keep=n_logits + pad)
+            if self.keep_hidden:  # the model's own forward, split where the hidden states are
+                hidden = self.model.get_decoder()(input_ids=ids, cache=self.kv, use_cache=True).last_hidden_state
+                logits = self.model.get_output_embeddings()(hidden[:, -(n_logits + pad) :])[0]
+                self.hidden, self.hidden_start = hidden[0, : len(new)], keep
+            else:
+                out = self.model(input_ids=ids, cache=self.kv, use_cache=True, logits_to_keep=n_logits + pad)
+                logits = out.logits[0]
             if pad:
                 self.kv.crop(-pad)
         except BaseException:
             self.reset()  # a forward that failed half-way may have grown some layers' caches: start over
             raise
         self.tokens = list(tokens)
-        logits = out.logits[0]
         return logits[: len(logits) - pad]
 
 

@@ -103,6 +103,14 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specvoice"
 
 
+def asset_path(*parts: str) -> Path:
+    """A file under the project's assets/: beside the source (a checkout, an editable install), else under the
+    working directory (an installed package run from its source folder, as in the Docker image)."""
+    here = Path(__file__).resolve().parents[1].joinpath("assets", *parts)
+    there = Path.cwd().joinpath("assets", *parts)
+    return here if here.exists() or not there.exists() else there
+
+
 def log(msg: str) -> None:
     print(f"[specvoice] {msg}", file=sys.stderr, flush=True)
 
@@ -314,6 +322,12 @@ def release_free_memory() -> None:
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (Linux)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def _quantize_linear_children(parent: torch.nn.Module) -> None:

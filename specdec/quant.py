@@ -9,6 +9,7 @@ activations per tensor and stays a draft-only lever.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -222,10 +223,7 @@ def quantize_linears(
         raise ValueError(f"--target-quant must be one of {', '.join(TARGET_QUANTS)}, got {quant!r}")
     if quant == "w8a8" and calibration_ids is not None:
         smooth_mlp_inputs(model, calibration_ids)
-    for parent in [m for m in model.modules() if any(type(c) is torch.nn.Linear for c in m.children())]:
-        for name, child in list(parent.named_children()):
-            if type(child) is torch.nn.Linear:
-                setattr(parent, name, make(child))
+    replace_linears(model, make)
     embeddings = model.get_input_embeddings()
     table_dtype = embeddings.weight.dtype
     model.float()
@@ -235,6 +233,14 @@ def quantize_linears(
     embeddings.register_forward_hook(lambda module, args, out: out.float())
     release_free_memory()
     return model
+
+
+def replace_linears(module: torch.nn.Module, make: Callable[[torch.nn.Linear], torch.nn.Module]) -> None:
+    """Every nn.Linear inside `module` replaced, in place, by make(linear)."""
+    for parent in [m for m in module.modules() if any(type(c) is torch.nn.Linear for c in m.children())]:
+        for name, child in list(parent.named_children()):
+            if type(child) is torch.nn.Linear:
+                setattr(parent, name, make(child))
 
 
 def use_row_attention(model: PreTrainedModel) -> None:

@@ -15,6 +15,9 @@ import pytest
 import torch
 
 from specdec.build import TINY_ENGINE, EngineSpec
+from specdec.heads import save_heads
+from specdec.heads_data import load_shards, make_dataset
+from specdec.heads_train import TrainConfig, fit_heads
 from specdec.models import LoadedModel, load_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -98,3 +101,33 @@ def tool(name: str) -> str:
             pytest.fail(msg)
         pytest.skip(msg)
     return found
+
+
+# Draft heads for the tiny target (tests/test_heads.py, tests/test_distribution.py)
+
+WORDS = "the cat sat on a mat while dogs ran far away in cold rain and warm sun".split()
+
+
+def tiny_prompts(target, n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    texts = [" ".join(WORDS[int(i)] for i in torch.randint(len(WORDS), (5,), generator=g)) for _ in range(n)]
+    return [target.tokenizer.chat_ids([{"role": "user", "content": t}]) for t in texts]
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tiny_engine, tmp_path_factory):
+    work = tmp_path_factory.mktemp("heads")
+    make_dataset(tiny_engine.target, tiny_prompts(tiny_engine.target, 48), work, max_new_tokens=24, batch_size=16)
+    return work
+
+
+@pytest.fixture(scope="session", params=["eagle", "medusa"])
+def tiny_heads(request, tiny_engine, tiny_data):
+    """Heads of each kind trained for a few seconds on the tiny target's own answers, saved like the shipped ones."""
+    target = tiny_engine.target
+    cfg = TrainConfig(kind=request.param, vocab=96, epochs=6, lr=3e-3, batch_sequences=8)
+    lm_weight = target.model.get_output_embeddings().weight
+    heads, _, val = fit_heads(load_shards(tiny_data), cfg, target, lm_weight, tiny_data / f"{cfg.kind}.ckpt", print)
+    path = tiny_data / f"{cfg.kind}.safetensors"
+    save_heads(heads, path)
+    return path, val

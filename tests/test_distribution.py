@@ -14,6 +14,7 @@ from scipy import stats as scipy_stats
 
 from specdec import drafters as drafters_module
 from specdec import engine as engine_module
+from specdec import heads as heads_module
 from specdec import sampling
 from specdec.build import build_engine, k_policy_factory
 from specdec.drafters import DraftModelDrafter, NGramDrafter
@@ -191,7 +192,38 @@ def test_whole_answers_and_bonus_tokens_follow_the_target(target, good_draft):
     assert min(pit_pvalues(engine, target, prompt(target), N_ANSWERS)) > P_FAIL
 
 
+def heads_engine(tiny_engine, tiny_heads, k: int = 3) -> SpeculativeEngine:
+    path, _ = tiny_heads
+    engine, _ = build_engine(tiny_engine.spec_with(draft="heads", heads=str(path), draft_min_prob=0.0, k=str(k)))
+    engine.auto_off = False
+    return engine
+
+
+def test_draft_heads_keep_the_target_joint(target, tiny_engine, tiny_heads):
+    """The heads draft from the second token on (the first comes from the prefill), so the pair's second token is
+    where their q is tested."""
+    ids = prompt(target)
+    engine = heads_engine(tiny_engine, tiny_heads)
+    events = [collect(engine.stream(ids, GenerationConfig(4, PARAMS, seed=s)))[1] for s in range(200)]
+    assert sum(e[1].k_drafted for e in events if len(e) > 1) > 0
+    assert sum(e[1].n_accepted for e in events if len(e) > 1) > 0
+    assert chi2_pvalue(sample_pairs(engine, ids, N_PAIRS), exact_pair_probs(target, ids, PARAMS)) > P_FAIL
+
+
+def test_whole_answers_with_draft_heads_follow_the_target(target, tiny_engine, tiny_heads):
+    engine = heads_engine(tiny_engine, tiny_heads, k=1)
+    assert min(pit_pvalues(engine, target, prompt(target), N_ANSWERS)) > P_FAIL
+
+
 # Teeth: the same checks on deliberately broken samplers must fail.
+
+
+def test_joint_check_catches_heads_that_record_the_wrong_q(target, tiny_engine, tiny_heads, monkeypatch):
+    """Heads that sample their draft from the untempered q but record the tempered one."""
+    monkeypatch.setattr(heads_module, "sample", sample_untempered)
+    ids = prompt(target)
+    engine = heads_engine(tiny_engine, tiny_heads, k=1)
+    assert chi2_pvalue(sample_pairs(engine, ids, N_PAIRS), exact_pair_probs(target, ids, PARAMS)) < P_FAIL
 
 
 def residual_is_p(p, q):

@@ -1,0 +1,141 @@
+"""`specvoice train-heads`: draft heads for a target, trained here on its own answers (self-distillation).
+
+1. The target (in the format it will run in) answers the training prompts greedily, batched; every position's
+   last hidden state is kept (shards in --work; a stopped run resumes at the first missing shard).
+2. The heads learn to predict the target's next tokens from those states (checkpointed in --work; resumed).
+3. The heads are written to --out (the shipped ones: assets/heads/<target>.safetensors), and replayed on the
+   held-out answers: acceptance by draft position, in the log and the --json report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from pipeline.llm import SYSTEM_PROMPT
+from pipeline.options import positive_int
+from specdec.bench import read_prompts
+from specdec.build import DTYPES, EngineSpec, quantize_target
+from specdec.heads import HEAD_KINDS, default_heads_path, save_heads
+from specdec.heads_data import load_shards, make_dataset, make_text_dataset, shipped_text
+from specdec.heads_train import TrainConfig, fit_heads, fmt, fmt_accs, simulated_acceptance
+from specdec.models import asset_path, cache_dir, load_model, log
+from specdec.quant import TARGET_QUANTS
+
+TRAIN_PROMPTS = asset_path("prompts", "train_prompts.jsonl")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d, t = EngineSpec(), TrainConfig()
+    parser.add_argument("--target", default=d.target)
+    parser.add_argument("--target-quant", default=d.target_quant, choices=list(TARGET_QUANTS))
+    parser.add_argument("--dtype", default=d.dtype, choices=list(DTYPES))
+    parser.add_argument("--kind", default=t.kind, choices=list(HEAD_KINDS))
+    parser.add_argument(
+        "--prompts",
+        default=str(TRAIN_PROMPTS),
+        help="JSONL training requests (default: the 600 shipped ones, kept apart from every benchmark prompt)",
+    )
+    parser.add_argument("--limit", type=int, default=0, help="use only the first N prompts")
+    parser.add_argument(
+        "--text-chars",
+        type=int,
+        default=250_000,
+        help="also learn from the target's states over this much shipped text (Python's pydoc topics); 0: none",
+    )
+    parser.add_argument("--passage-tokens", type=positive_int, default=256, help="text passage length")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=96, help="answer length cap")
+    parser.add_argument("--batch-size", type=positive_int, default=48, help="prompts answered per batched forward")
+    parser.add_argument("--vocab", type=positive_int, default=t.vocab, help="draft vocabulary: most frequent tokens")
+    parser.add_argument("--epochs", type=positive_int, default=t.epochs)
+    parser.add_argument("--lr", type=float, default=t.lr)
+    parser.add_argument("--work", default="", help="data and checkpoints (default: the cache, per target)")
+    parser.add_argument("--out", default="", help="heads file (default: the shipped assets/heads/<target>)")
+    parser.add_argument("--json", default="", help="write the training report here")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
+
+
+def training_prompts(tokenizer, rows: list[dict]) -> list[list[int]]:
+    """Alternately in the voice agent's format (its system prompt) and the bench's (the chat template's own)."""
+    out = []
+    for i, row in enumerate(rows):
+        system = [{"role": "system", "content": SYSTEM_PROMPT}] if i % 2 == 0 else []
+        out.append(tokenizer.chat_ids(system + [{"role": "user", "content": row["prompt"]}]))
+    return out
+
+
+def advance(bar: tqdm) -> Callable[[int, int], None]:
+    """A progress callback (done, total) that moves `bar`."""
+
+    def update(done: int, total: int) -> None:
+        bar.total = total
+        bar.n = done
+        bar.refresh()
+
+    return update
+
+
+def write(message: str) -> None:
+    """A log line that leaves the progress bar where it is."""
+    tqdm.write(f"[specvoice] {message}", file=sys.stderr)
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    work = Path(args.work) if args.work else cache_dir() / "heads" / f"{args.target}-{args.target_quant}"
+    out = Path(args.out) if args.out else default_heads_path(args.target)
+    rows = read_prompts(args.prompts, args.limit)
+    target = load_model(args.target, DTYPES[args.dtype])
+    # Float LM head rows for the heads, taken before quantization (load_heads does the same at run time).
+    lm_weight = target.model.get_output_embeddings().weight.detach().clone()
+    quantize_target(target, args.target_quant, row_attention=False)
+
+    with tqdm(total=1, desc="answering", unit="batch", file=sys.stderr) as bar:
+        prompts = training_prompts(target.tokenizer, rows)
+        make_dataset(target, prompts, work, args.max_new_tokens, args.batch_size, advance(bar))
+    if args.text_chars:
+        with tqdm(total=1, desc="reading text", unit="batch", file=sys.stderr) as bar:
+            make_text_dataset(target, shipped_text(args.text_chars), work, args.passage_tokens, 8, advance(bar))
+    data_s = time.perf_counter() - started
+    cfg = TrainConfig(kind=args.kind, vocab=args.vocab, epochs=args.epochs, lr=args.lr)
+    with tqdm(total=1, desc=f"training {cfg.kind}", unit="step", file=sys.stderr) as bar:
+
+        def trained(step: int, total: int, info: dict) -> None:
+            bar.total = total
+            bar.n = step
+            bar.set_postfix_str(fmt(info), refresh=True)
+
+        heads, accs, val = fit_heads(
+            load_shards(work), cfg, target, lm_weight, work / f"{cfg.kind}.ckpt", write, trained
+        )
+    replay = simulated_acceptance(heads, val, k=4)
+    report = {
+        "target": args.target,
+        "target_quant": args.target_quant,
+        "kind": cfg.kind,
+        "config": asdict(cfg),
+        "held_out_answers": len(val),
+        "validation_top1_per_head": accs,
+        "held_out_replay_k4": replay,
+        "seconds": {"data": round(data_s, 1), "total": round(time.perf_counter() - started, 1)},
+    }
+    save_heads(heads, out, extra=report)
+    log(f"heads written to {out}; held-out top-1 per head {fmt_accs(accs)}")
+    log(
+        "held-out greedy replay, K=4: acceptance by position "
+        + fmt_accs(replay["acceptance_by_position"])
+        + f", {replay['tokens_per_target_forward']:.2f} tokens per target forward"
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return 0

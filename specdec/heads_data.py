@@ -1,0 +1,176 @@
+"""Training data for draft heads, made offline by self-distillation: the target answers training prompts greedily,
+and every position's last hidden state (the input of its LM head) is kept with the tokens.
+
+Written in shards, one per batch of prompts, so a stopped run resumes at the first missing shard.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from .models import LoadedModel
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+
+@dataclass
+class Sequence:
+    tokens: list[int]  # prompt + answer (cut after the answer's first EOS), or a passage of text
+    answer_start: int  # the first position whose next token is learnt (the first answer token; 1 for text)
+    features: torch.Tensor  # (len(tokens) - 1, hidden), bf16: the target's last hidden state at each position
+    labels: list[int]  # len(tokens) - 1: the target's greedy choice after each position
+    is_answer: bool = True  # the target's own answer (else a passage of text)
+
+    @classmethod
+    def from_row(cls, row: dict) -> Sequence:
+        tokens = row["tokens"].tolist()
+        if "labels" in row:
+            return cls(tokens, int(row["answer_start"]), row["features"], row["labels"].tolist(), is_answer=False)
+        return cls(tokens, int(row["answer_start"]), row["features"], tokens[1:])  # a greedy answer's own choices
+
+
+def shard_path(work: Path, index: int, kind: str = "shard") -> Path:
+    return work / "data" / f"{kind}_{index:04d}.pt"
+
+
+def load_shards(work: Path) -> list[Sequence]:
+    """Every recorded sequence: the answers (shard_*), then the text passages (text_*)."""
+    paths = sorted((work / "data").glob("shard_*.pt")) + sorted((work / "data").glob("text_*.pt"))
+    return [Sequence.from_row(row) for path in paths for row in torch.load(path, weights_only=True)]
+
+
+def _save_shard(rows: list[dict], path: Path) -> None:
+    tmp = path.with_suffix(".partial")
+    torch.save(rows, tmp)
+    tmp.rename(path)
+
+
+def _check_recipe(path: Path, recipe: dict) -> None:
+    """Shards are only valid for what they were made from: refuse to mix them with other inputs."""
+    if path.exists() and json.loads(path.read_text()) != recipe:
+        raise ValueError(f"{path.parent.parent} holds data made from other inputs: use another --work or delete it")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(recipe))
+
+
+def _fingerprint(obj: object) -> str:
+    return hashlib.sha256(json.dumps(obj).encode()).hexdigest()
+
+
+def _final_norm(model: PreTrainedModel) -> torch.nn.Module:
+    """The module whose output is the LM head's input (Qwen2, Llama: model.model.norm)."""
+    norm = getattr(model.get_decoder(), "norm", None)
+    if norm is None:
+        raise ValueError("draft heads need a decoder with a final norm (model.model.norm)")
+    return norm
+
+
+@torch.inference_mode()
+def generate_batch(target: LoadedModel, prompts: list[list[int]], max_new_tokens: int, eos: set[int]) -> list[Sequence]:
+    """Greedy answers to `prompts` in one left-padded batch, with the features every forward computed."""
+    pad = sorted(eos)[0]
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    captured: list[torch.Tensor] = []
+    handle = _final_norm(target.model).register_forward_hook(
+        lambda module, args, out: captured.append(out.detach().to(torch.bfloat16))
+    )
+    try:
+        out = target.model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=sorted(eos),
+            pad_token_id=pad,
+        )
+    finally:
+        handle.remove()
+    feats = torch.cat(captured, dim=1)  # (B, width + generated - 1, H): the last token is never fed
+    seqs = []
+    for b, prompt in enumerate(prompts):
+        answer = out[b, width:].tolist()
+        ends = [i for i, t in enumerate(answer) if t in eos]
+        answer = answer[: ends[0] + 1] if ends else answer
+        lead = width - len(prompt)
+        tokens = prompt + answer
+        seqs.append(Sequence(tokens, len(prompt), feats[b, lead : lead + len(tokens) - 1].clone(), tokens[1:]))
+    return seqs
+
+
+def make_dataset(
+    target: LoadedModel,
+    prompts: list[list[int]],
+    work: Path,
+    max_new_tokens: int,
+    batch_size: int,
+    progress: Callable[[int, int], None] = lambda done, total: None,
+) -> None:
+    """Answer every prompt (sorted by length, so batches pad little), one shard per batch; existing shards are
+    kept, so a stopped run resumes where it was."""
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    n_batches = math.ceil(len(order) / batch_size)
+    recipe = {"prompts": _fingerprint(prompts), "max_new_tokens": max_new_tokens, "batch_size": batch_size}
+    _check_recipe(work / "data" / "recipe.json", recipe)
+    eos = target.tokenizer.eos_token_ids
+    for index in range(n_batches):
+        path = shard_path(work, index)
+        if not path.exists():
+            batch = [prompts[i] for i in order[index * batch_size : (index + 1) * batch_size]]
+            rows = [
+                {"tokens": torch.tensor(s.tokens), "answer_start": s.answer_start, "features": s.features}
+                for s in generate_batch(target, batch, max_new_tokens, eos)
+            ]
+            _save_shard(rows, path)
+        progress(index + 1, n_batches)
+
+
+@torch.inference_mode()
+def text_batch(target: LoadedModel, passages: list[list[int]]) -> list[dict]:
+    """Teacher-forced over equal-length passages: features and the target's greedy choice at every position."""
+    ids = torch.tensor(passages, device=target.device)
+    hidden = target.model.get_decoder()(input_ids=ids).last_hidden_state[:, :-1]
+    head = target.model.get_output_embeddings()
+    labels = torch.stack([head(h).argmax(-1) for h in hidden])  # one passage at a time: its logits are 150 MB
+    return [
+        {"tokens": ids[b].cpu(), "answer_start": 1, "features": hidden[b].to(torch.bfloat16).cpu(), "labels": labels[b]}
+        for b in range(len(passages))
+    ]
+
+
+def make_text_dataset(
+    target: LoadedModel,
+    text: str,
+    work: Path,
+    passage_tokens: int,
+    batch_size: int,
+    progress: Callable[[int, int], None] = lambda done, total: None,
+) -> None:
+    """Features and greedy choices of the target over `text`, cut into passages: more to learn from than its
+    answers alone (EAGLE trains on fixed text with the target's own features too). Resumable like make_dataset."""
+    ids = target.tokenizer.encode(text)
+    passages = [ids[i : i + passage_tokens] for i in range(0, len(ids) - passage_tokens + 1, passage_tokens)]
+    _check_recipe(work / "data" / "text_recipe.json", {"text": _fingerprint(text), "passage_tokens": passage_tokens})
+    n_batches = math.ceil(len(passages) / batch_size)
+    for index in range(n_batches):
+        path = shard_path(work, index, "text")
+        if not path.exists():
+            _save_shard(text_batch(target, passages[index * batch_size : (index + 1) * batch_size]), path)
+        progress(index + 1, n_batches)
+
+
+def shipped_text(limit_chars: int) -> str:
+    """English prose every Python installation ships: the language reference topics behind help() (pydoc_data)."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[name] for name in sorted(topics))[:limit_chars]

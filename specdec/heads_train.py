@@ -1,0 +1,349 @@
+"""Training draft heads on self-distilled data (heads_data.py): resumable, with loss and top-1 accuracy per head.
+
+eagle is trained for two draft positions at once ("training-time test", as EAGLE-3 does): position 1 reads the
+target's true feature, position 2 the feature the layer itself predicted, attending to the true slots before it,
+exactly as drafting does. medusa's block k learns token j + 1 + k from feature j.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .heads import DraftHeads, HeadsConfig, HeadsDrafter
+from .heads_data import Sequence
+from .models import LoadedModel
+from .sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    kind: str = "medusa"  # measured faster here than eagle with the data this machine can make (docs/results.md)
+    vocab: int = 8192  # drafts come from the most frequent answer tokens (and EOS)
+    epochs: int = 8
+    lr: float = 1e-3
+    batch_sequences: int = 16
+    val_fraction: float = 0.1
+    feature_loss: float = 0.5  # weight of the feature regression next to the token loss (eagle)
+    seed: int = 0
+    checkpoint_every_s: float = 120.0
+    bf16: bool = True  # autocast the training steps to bf16 (2.4× faster on this CPU; evaluation stays float32)
+
+
+def choose_vocab(seqs: list[Sequence], size: int, eos: set[int]) -> torch.Tensor:
+    """The `size` most frequent greedy choices, EOS always among them, in id order."""
+    counts = Counter(t for s in seqs for t in s.labels[s.answer_start - 1 :])
+    ids = set(sorted(eos)) | {t for t, _ in counts.most_common(size)}
+    return torch.tensor(sorted(ids)[: max(size, len(eos))])
+
+
+def split(seqs: list[Sequence], val_fraction: float, seed: int) -> tuple[list[Sequence], list[Sequence]]:
+    """(training, held out): a fraction of the answers is held out; text passages all train."""
+    answers = [s for s in seqs if s.is_answer]
+    order = list(range(len(answers)))
+    random.Random(seed).shuffle(order)
+    n_val = max(1, int(len(answers) * val_fraction))
+    held = set(order[:n_val])
+    train = [s for i, s in enumerate(answers) if i not in held] + [s for s in seqs if not s.is_answer]
+    return train, [answers[i] for i in order[:n_val]]
+
+
+@dataclass
+class Batch:
+    tokens: torch.Tensor  # (B, T), padded with 0
+    features: torch.Tensor  # (B, T - 1, H) float32
+    labels: torch.Tensor  # (B, T - 1): the target's greedy choice after each position
+    lengths: torch.Tensor  # (B,)
+    answer_start: torch.Tensor  # (B,)
+
+
+def make_batch(seqs: list[Sequence]) -> Batch:
+    t = max(len(s.tokens) for s in seqs)
+    hidden = seqs[0].features.shape[1]
+    tokens = torch.zeros(len(seqs), t, dtype=torch.long)
+    labels = torch.zeros(len(seqs), t - 1, dtype=torch.long)
+    feats = torch.zeros(len(seqs), t - 1, hidden)
+    for b, s in enumerate(seqs):
+        tokens[b, : len(s.tokens)] = torch.tensor(s.tokens)
+        labels[b, : len(s.labels)] = torch.tensor(s.labels)
+        feats[b, : len(s.features)] = s.features.float()
+    lengths = torch.tensor([len(s.tokens) for s in seqs])
+    return Batch(tokens, feats, labels, lengths, torch.tensor([s.answer_start for s in seqs]))
+
+
+def local_labels(tokens: torch.Tensor, vocab_ids: torch.Tensor) -> torch.Tensor:
+    """Each token's index in vocab_ids, or -100 (ignored by the loss) for tokens outside it."""
+    lookup = torch.full((int(max(int(tokens.max()), int(vocab_ids.max()))) + 1,), -100, dtype=torch.long)
+    lookup[vocab_ids] = torch.arange(len(vocab_ids))
+    return lookup[tokens]
+
+
+def eagle_losses(
+    heads: DraftHeads, batch: Batch, feature_scale: float, feature_loss: float
+) -> list[tuple[torch.Tensor, int, int]]:
+    """(loss, correct, counted) for draft positions 1 and 2.
+
+    Slot j (1 ≤ j < T) reads token j and feature j − 1 and is scored on token j + 1 (the target's greedy choice)
+    and on feature j; only answer slots (j ≥ answer_start) count, as drafting starts after the first answer token.
+    """
+    layer = heads.eagle
+    assert layer is not None
+    b, t = batch.tokens.shape
+    slots = torch.arange(1, t)
+    emb = heads.embed_tokens(batch.tokens[:, 1:])
+    labels = local_labels(batch.labels[:, 1:], heads.vocab_ids)  # slot j's label: the choice after j (slots 1 … T − 2)
+    counted = (slots[None, :-1] >= batch.answer_start[:, None]) & (slots[None, :-1] + 1 < batch.lengths[:, None])
+    labels = labels.masked_fill(~counted, -100)
+    true_next = batch.features[:, 1:]  # feature j for slots 1 … T − 2
+
+    x, q, k, v = layer.qkv(emb, batch.features, slots)
+    first = layer.finish(x, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+    # Position 2: slot j reads the feature predicted at slot j − 1, and attends to the true slots before it and
+    # to itself (its own key), as in drafting.
+    shifted = torch.cat([first[:, :1].detach() * 0, first[:, :-1]], dim=1)
+    x2, q2, k2, v2 = layer.qkv(emb, shifted, slots)
+    rep = q2.shape[1] // k.shape[1]
+    k_rep, v_rep, k2_rep, v2_rep = (a.repeat_interleave(rep, dim=1) for a in (k, v, k2, v2))
+    scale = q2.shape[-1] ** -0.5
+    earlier = (q2 @ k_rep.transpose(-1, -2)) * scale
+    earlier = earlier.masked_fill(~torch.ones(t - 1, t - 1, dtype=torch.bool).tril(-1), float("-inf"))
+    own = (q2 * k2_rep).sum(-1, keepdim=True) * scale
+    weights = torch.softmax(torch.cat([earlier, own], dim=-1), dim=-1)
+    attended = weights[..., :-1] @ v_rep + weights[..., -1:] * v2_rep
+    second = layer.finish(x2, attended)
+
+    out = []
+    for pred, position_counted in ((first, counted), (second, counted & (slots[None, :-1] >= 2))):
+        logits = heads.lm(pred[:, :-1])
+        lab = labels.masked_fill(~position_counted, -100)
+        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), lab.reshape(-1), ignore_index=-100)
+        reg = ((pred[:, :-1] - true_next) / feature_scale).pow(2).mean(-1)[position_counted].mean()
+        valid = lab != -100
+        correct = int((logits.argmax(-1)[valid] == lab[valid]).sum())
+        out.append((ce + reg * feature_loss, correct, int(position_counted.sum())))
+    return out
+
+
+def medusa_losses(heads: DraftHeads, batch: Batch) -> list[tuple[torch.Tensor, int, int]]:
+    """(loss, correct, counted) per block: block k (0-based) at feature j is scored on token j + 2 + k (the choice
+    after position j + 1 + k)."""
+    assert heads.medusa is not None
+    b, t = batch.tokens.shape
+    positions = torch.arange(t - 1)
+    out = []
+    for k, block in enumerate(heads.medusa):
+        target_pos = positions + 2 + k
+        in_range = target_pos[None, :] < batch.lengths[:, None]
+        counted = in_range & (positions[None, :] + 1 >= batch.answer_start[:, None])
+        after = (target_pos - 1).clamp(max=t - 2).expand(b, -1)
+        lab = local_labels(batch.labels.gather(1, after), heads.vocab_ids)
+        lab = lab.masked_fill(~counted, -100)
+        logits = heads.lm(block(batch.features))
+        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), lab.reshape(-1), ignore_index=-100)
+        valid = lab != -100
+        out.append((ce, int((logits.argmax(-1)[valid] == lab[valid]).sum()), int(counted.sum())))
+    return out
+
+
+def head_losses(
+    heads: DraftHeads, batch: Batch, feature_scale: float, feature_loss: float = TrainConfig.feature_loss
+) -> list[tuple[torch.Tensor, int, int]]:
+    if heads.cfg.kind == "eagle":
+        return eagle_losses(heads, batch, feature_scale, feature_loss)
+    return medusa_losses(heads, batch)
+
+
+def cosine_lr(step: int, total: int, peak: float, warmup: int) -> float:
+    """Linear warm-up to `peak`, then cosine decay to a tenth of it."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def batches(seqs: list[Sequence], size: int, seed: int) -> list[list[Sequence]]:
+    """Sequences of similar length together (little padding), batches in a seeded random order."""
+    ordered = sorted(seqs, key=lambda s: len(s.tokens))
+    groups = [ordered[i : i + size] for i in range(0, len(ordered), size)]
+    random.Random(seed).shuffle(groups)
+    return groups
+
+
+@torch.no_grad()
+def evaluate(heads: DraftHeads, seqs: list[Sequence], feature_scale: float) -> list[float]:
+    """Top-1 accuracy per head (eagle: per draft position 1 and 2) over `seqs`."""
+    heads.eval()
+    correct: list[int] = []
+    counted: list[int] = []
+    for group in batches(seqs, 16, 0):
+        for i, (_, c, n) in enumerate(head_losses(heads, make_batch(group), feature_scale)):
+            if i >= len(correct):
+                correct.append(0)
+                counted.append(0)
+            correct[i] += c
+            counted[i] += n
+    heads.train()
+    return [c / max(n, 1) for c, n in zip(correct, counted)]
+
+
+def feature_std(seqs: list[Sequence]) -> float:
+    sample = torch.cat([s.features[:: max(1, len(s.features) // 8)].float() for s in seqs[:64]])
+    return float(sample.std())
+
+
+def train_heads(
+    heads: DraftHeads,
+    train: list[Sequence],
+    val: list[Sequence],
+    cfg: TrainConfig,
+    checkpoint: Path,
+    log: Callable[[str], None],
+    progress: Callable[[int, int, dict], None] = lambda step, total, info: None,
+) -> list[float]:
+    """Train in place, resuming from `checkpoint` when it holds this configuration's state; returns the validation
+    accuracy per head."""
+    torch.manual_seed(cfg.seed)
+    params = [p for p in heads.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    per_epoch = len(batches(train, cfg.batch_sequences, 0))
+    total = per_epoch * cfg.epochs
+    step = 0
+    if checkpoint.exists():
+        state = torch.load(checkpoint, weights_only=False)
+        if state["config"] == asdict(cfg) and state["heads"] == asdict(heads.cfg):
+            heads.load_state_dict(state["model"], strict=False)
+            opt.load_state_dict(state["optimizer"])
+            step = state["step"]
+            log(f"resumed from {checkpoint} at step {step}/{total}")
+        else:
+            log(f"{checkpoint} is from another configuration: starting over")
+    scale = feature_std(train)
+    heads.train()
+    last_save = time.monotonic()
+    window: list[list[float]] = []
+    while step < total:
+        epoch, index = divmod(step, per_epoch)
+        batch = make_batch(batches(train, cfg.batch_sequences, cfg.seed + epoch)[index])
+        for group in opt.param_groups:
+            group["lr"] = cosine_lr(step, total, cfg.lr, warmup=max(1, total // 20))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16 and batch.features.device.type == "cpu"):
+            results = head_losses(heads, batch, scale, cfg.feature_loss)
+            loss = torch.stack([r[0] for r in results]).sum()
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        window.append([float(loss.detach())] + [c / max(n, 1) for _, c, n in results])
+        window = window[-20:]
+        info = {"loss": sum(w[0] for w in window) / len(window)}
+        for i in range(len(results)):
+            info[f"top1_head{i + 1}"] = sum(w[i + 1] for w in window) / len(window)
+        progress(step, total, info)
+        if step % per_epoch == 0:
+            accs = evaluate(heads, val, scale)
+            epoch_done = step // per_epoch
+            log(f"epoch {epoch_done}/{cfg.epochs}: train {fmt(info)}; validation top-1 per head {fmt_accs(accs)}")
+        if time.monotonic() - last_save > cfg.checkpoint_every_s or step == total:
+            save_checkpoint(heads, opt, cfg, step, checkpoint)
+            last_save = time.monotonic()
+    return evaluate(heads, val, scale)
+
+
+def save_checkpoint(heads: DraftHeads, opt: torch.optim.Optimizer, cfg: TrainConfig, step: int, path: Path) -> None:
+    state = {
+        "config": asdict(cfg),
+        "heads": asdict(heads.cfg),
+        "model": heads.trained_state(),
+        "optimizer": opt.state_dict(),
+        "step": step,
+    }
+    tmp = path.with_suffix(".partial")
+    torch.save(state, tmp)
+    tmp.rename(path)
+
+
+def fmt(info: dict) -> str:
+    return ", ".join(f"{k} {v:.3f}" for k, v in info.items())
+
+
+def fmt_accs(accs: list[float]) -> str:
+    return " ".join(f"{a:.1%}" for a in accs)
+
+
+@torch.no_grad()
+def simulated_acceptance(heads: DraftHeads, seqs: list[Sequence], k: int) -> dict:
+    """Greedy drafting replayed on recorded answers: at every answer position after the first, the drafter gets the
+    true features so far and proposes k tokens; a draft counts as accepted while it matches the answer (which is the
+    target's greedy choice). Returns acceptance by draft position and the mean tokens per target forward."""
+    drafter = HeadsDrafter(heads.eval())
+    accepted_at = [0] * k
+    steps = 0
+    emitted = 0
+    for s in seqs:
+        pos = s.answer_start + 1  # context = tokens[:pos]; the target has verified tokens[:pos - 1]
+        drafter.rollback(0)
+        while pos < len(s.tokens):
+            held = len(drafter.tokens)
+            drafter.observe(s.tokens[: pos - 1], held, s.features[held : pos - 1])
+            drafts = drafter.propose(s.tokens[:pos], k, SamplingParams(), None).tokens
+            n = 0
+            while n < len(drafts) and pos + n < len(s.tokens) and drafts[n] == s.tokens[pos + n]:
+                accepted_at[n] += 1
+                n += 1
+            steps += 1
+            emitted += n + 1
+            pos += n + 1
+    return {
+        "steps": steps,
+        "acceptance_by_position": [a / max(steps, 1) for a in accepted_at],
+        "tokens_per_target_forward": emitted / max(steps, 1),
+    }
+
+
+def heads_config(kind: str, model_config, target: str) -> HeadsConfig:
+    """Heads shaped after the target: its widths, attention heads and RoPE; an MLP a quarter of the target's."""
+    c = model_config
+    rope = getattr(c, "rope_parameters", None) or {}
+    return HeadsConfig(
+        kind=kind,
+        hidden=c.hidden_size,
+        vocab_size=c.vocab_size,
+        intermediate=max(c.hidden_size, c.intermediate_size // 4),
+        n_heads=c.num_attention_heads,
+        n_kv_heads=c.num_key_value_heads,
+        rope_theta=float(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))),
+        rms_eps=float(getattr(c, "rms_norm_eps", 1e-6)),
+        target=target,
+    )
+
+
+def fit_heads(
+    seqs: list[Sequence],
+    cfg: TrainConfig,
+    target: LoadedModel,
+    lm_weight: torch.Tensor,
+    checkpoint: Path,
+    log: Callable[[str], None],
+    progress: Callable[[int, int, dict], None] = lambda step, total, info: None,
+) -> tuple[DraftHeads, list[float], list[Sequence]]:
+    """Heads for `target` trained on `seqs` (resuming from `checkpoint`): the heads, their validation top-1 accuracy
+    per head, and the held-out sequences. lm_weight: the target's LM head in float (before any quantization)."""
+    train, val = split(seqs, cfg.val_fraction, cfg.seed)
+    vocab_ids = choose_vocab(train, cfg.vocab, target.tokenizer.eos_token_ids)
+    heads = DraftHeads(heads_config(cfg.kind, target.model.config, target.name), vocab_ids)
+    heads.attach(target.model.get_input_embeddings(), lm_weight)
+    log(
+        f"{len(train)} training and {len(val)} held-out answers ({sum(len(s.tokens) for s in train)} tokens); "
+        f"draft vocabulary {len(vocab_ids)}"
+    )
+    accs = train_heads(heads, train, val, cfg, checkpoint, log, progress)
+    return heads.eval(), accs, val
