@@ -194,13 +194,20 @@ def read_heads(path: Path) -> tuple[DraftHeads, dict]:
 
     if not path.exists():
         raise FileNotFoundError(f"no draft heads at {path}: train them with `specvoice train-heads`")
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a mapping)
-    cfg = HeadsConfig(**json.loads(meta["config"]))
-    heads = DraftHeads(cfg, tensors.pop("vocab_ids").long())
-    heads.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=False)
-    return heads.eval(), json.loads(meta.get("extra", "{}"))
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        cfg = HeadsConfig(**json.loads(meta["config"]))
+        heads = DraftHeads(cfg, tensors.pop("vocab_ids").long())
+        result = heads.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=False)
+        extra = json.loads(meta.get("extra", "{}"))
+    except Exception as e:  # safetensors' own errors, a missing key, a bad config: one clear message
+        raise ValueError(f"{path} is not a draft heads file from `specvoice train-heads`: {e}") from e
+    if result.unexpected_keys or set(result.missing_keys) != {"lm.weight"}:  # lm comes from the target
+        missing = sorted(set(result.missing_keys) - {"lm.weight"})
+        raise ValueError(f"{path} does not match its config: missing {missing}, unexpected {result.unexpected_keys}")
+    return heads.eval(), extra
 
 
 def default_heads_path(target: str) -> Path:

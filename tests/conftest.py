@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdec.build import TINY_ENGINE, EngineSpec
+from specdec.build import TINY_ENGINE, EngineSpec, build_engine
 from specdec.heads import save_heads
 from specdec.heads_data import load_shards, make_dataset
 from specdec.heads_train import TrainConfig, fit_heads
@@ -131,3 +131,12 @@ def tiny_heads(request, tiny_engine, tiny_data):
     path = tiny_data / f"{cfg.kind}.safetensors"
     save_heads(heads, path)
     return path, val
+
+
+def heads_engine(tiny_engine, tiny_heads, k: int = 3):
+    """The tiny engine drafting with `tiny_heads` at a fixed K, ungated (tiny heads are never confident) and never
+    switched off, so every step drafts."""
+    path, _ = tiny_heads
+    engine, _ = build_engine(tiny_engine.spec_with(draft="heads", heads=str(path), draft_min_prob=0.0, k=str(k)))
+    engine.auto_off = False
+    return engine

@@ -10,6 +10,7 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
+from conftest import heads_engine
 from scipy import stats as scipy_stats
 
 from specdec import drafters as drafters_module
@@ -190,13 +191,6 @@ def test_reused_session_keeps_the_target_joint(target, poor_draft):
 def test_whole_answers_and_bonus_tokens_follow_the_target(target, good_draft):
     engine = engine_for(target, draft_model_factory(good_draft, target), 3)
     assert min(pit_pvalues(engine, target, prompt(target), N_ANSWERS)) > P_FAIL
-
-
-def heads_engine(tiny_engine, tiny_heads, k: int = 3) -> SpeculativeEngine:
-    path, _ = tiny_heads
-    engine, _ = build_engine(tiny_engine.spec_with(draft="heads", heads=str(path), draft_min_prob=0.0, k=str(k)))
-    engine.auto_off = False
-    return engine
 
 
 def test_draft_heads_keep_the_target_joint(target, tiny_engine, tiny_heads):

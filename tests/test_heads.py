@@ -8,10 +8,9 @@ import json
 
 import pytest
 import torch
-from conftest import WORDS, tiny_prompts
+from conftest import WORDS, heads_engine, tiny_prompts
 
 from app import cli
-from specdec.build import build_engine
 from specdec.engine import EngineSession, GenerationConfig, collect
 from specdec.heads import DraftHeads, HeadsDrafter, load_heads, read_heads, save_heads
 from specdec.heads_data import load_shards, shard_path
@@ -48,9 +47,8 @@ def test_keep_hidden_leaves_the_logits_bit_for_bit(tiny_engine):
 
 
 def test_greedy_output_with_heads_is_target_only(tiny_engine, tiny_heads):
-    path, _ = tiny_heads
-    engine, target = build_engine(tiny_engine.spec_with(draft="heads", heads=str(path), draft_min_prob=0.0, k="3"))
-    engine.auto_off = False
+    engine = heads_engine(tiny_engine, tiny_heads)
+    target = engine.target
     accepted = 0
     for ids in tiny_prompts(target, 6, seed=1):
         plain, _ = collect(engine.stream(ids, GenerationConfig(32, speculate=False)))
@@ -63,9 +61,8 @@ def test_greedy_output_with_heads_is_target_only(tiny_engine, tiny_heads):
 
 def test_a_session_keeps_features_across_answers(tiny_engine, tiny_heads):
     """A conversation's second answer prefills only what is new; the heads still draft from the cached part."""
-    path, _ = tiny_heads
-    engine, target = build_engine(tiny_engine.spec_with(draft="heads", heads=str(path), draft_min_prob=0.0, k="3"))
-    engine.auto_off = False
+    engine = heads_engine(tiny_engine, tiny_heads)
+    target = engine.target
     session = EngineSession(engine)
     first = tiny_prompts(target, 1, seed=2)[0]
     answer, _ = collect(engine.stream(first, GenerationConfig(16), session=session))
@@ -102,9 +99,8 @@ def test_heads_without_features_propose_nothing(tiny_engine, tiny_heads):
 
 
 def test_a_failing_observe_keeps_the_answer(tiny_engine, tiny_heads, monkeypatch):
-    path, _ = tiny_heads
-    engine, target = build_engine(tiny_engine.spec_with(draft="heads", heads=str(path), draft_min_prob=0.0, k="3"))
-    ids = tiny_prompts(target, 1, seed=3)[0]
+    engine = heads_engine(tiny_engine, tiny_heads)
+    ids = tiny_prompts(engine.target, 1, seed=3)[0]
     plain, _ = collect(engine.stream(ids, GenerationConfig(20, speculate=False)))
     calls = []
 
@@ -119,6 +115,16 @@ def test_a_failing_observe_keeps_the_answer(tiny_engine, tiny_heads, monkeypatch
     tokens, events = collect(engine.stream(ids, GenerationConfig(20)))
     assert tokens == plain
     assert any("drafter failed (RuntimeError: heads broke)" in e.note for e in events)
+
+
+def test_a_broken_heads_file_gets_a_clear_error(tiny_heads, tmp_path):
+    path, _ = tiny_heads
+    broken = tmp_path / "broken.safetensors"
+    broken.write_bytes(path.read_bytes()[: len(path.read_bytes()) // 2])
+    with pytest.raises(ValueError, match="is not a draft heads file"):
+        read_heads(broken)
+    with pytest.raises(FileNotFoundError, match="train them with `specvoice train-heads`"):
+        read_heads(tmp_path / "absent.safetensors")
 
 
 def test_heads_for_another_target_are_refused(tiny_engine, tiny_heads):
@@ -139,9 +145,8 @@ def test_the_file_round_trips(tiny_heads, tmp_path):
 
 
 def test_switching_drafters_in_a_session(tiny_engine, tiny_heads):
-    path, _ = tiny_heads
-    engine, target = build_engine(tiny_engine.spec_with(draft="heads", heads=str(path), draft_min_prob=0.0, k="3"))
-    engine.auto_off = False
+    engine = heads_engine(tiny_engine, tiny_heads)
+    target = engine.target
     session = EngineSession(engine)
     ids = tiny_prompts(target, 1, seed=4)[0]
     plain, _ = collect(engine.stream(ids, GenerationConfig(16, speculate=False)))
@@ -238,3 +243,30 @@ def test_assets_are_found_beside_the_source_or_in_the_working_directory(tmp_path
     monkeypatch.chdir(tmp_path)
     assert asset_path("extra", "f.txt") == tmp_path / "assets" / "extra" / "f.txt"
     assert asset_path("heads", "qwen-1.5b.safetensors") == ROOT / "assets" / "heads" / "qwen-1.5b.safetensors"
+
+
+def test_bench_runs_drafters_side_by_side(tiny_engine, tiny_heads, tmp_path):
+    path, _ = tiny_heads
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"category": "a", "prompt": "hello"}\n{"category": "b", "prompt": "the cat sat"}\n')
+    out = tmp_path / "bench.json"
+    drafters = f"ngram,heads:{path}"
+    argv = ["bench", *tiny_engine.cli_args, "--prompts", str(prompts), "--max-new-tokens", "12", "--compare", "none"]
+    assert cli.main([*argv, "--draft-min-prob", "0", "--drafters", drafters, "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    names = [tiny_engine.spec.draft, "ngram", f"heads:{path}"]
+    assert list(data["summary"]["drafters"]) == names
+    for name in names:
+        s = data["summary"]["drafters"][name]
+        assert s["greedy_identical_fraction"] == 1.0 and s["speedup_median"] > 0 and "per_position_acceptance" in s
+        assert set(s["per_category"]) == {"a", "b"} and s["resident_bytes_added"] >= 0
+    for p in data["prompts"]:
+        assert p["speculative"] == p["drafters"][tiny_engine.spec.draft]
+    assert data["summary"]["drafters"]["ngram"]["resident_bytes_added"] == 0
+
+
+def test_calibrate_says_where_heads_are_measured(tiny_engine, tiny_heads, tmp_path, capsys):
+    path, _ = tiny_heads
+    argv = ["calibrate", *tiny_engine.cli_args, "--draft", "heads", "--heads", str(path)]
+    assert cli.main([*argv, "--json", str(tmp_path / "c.json")]) == 2
+    assert "for --draft heads see `specvoice bench`" in capsys.readouterr().err
