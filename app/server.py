@@ -360,8 +360,11 @@ def main(args: argparse.Namespace) -> int:
     app = server.build_app()
     log.info("loading models in the background; open http://%s:%d", _url_host(args.host), args.port)
     server.loader.start()
-    uvicorn.Server(server.uvicorn_config(app)).run()
-    return 0
+    serving = uvicorn.Server(server.uvicorn_config(app))
+    serving.run()
+    # uvicorn catches Ctrl-C itself and re-raises it only at times (a CI run under load exited 0): answer with the
+    # CLI's interrupt code whenever a signal stopped it.
+    return 130 if serving.should_exit else 0
 
 
 def _url_host(host: str) -> str:
