@@ -15,9 +15,11 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "say": ("app.say", "one voice turn from a WAV recording"),
     "bench-voice": ("app.bench_voice", "paired speculation off/on TTFA over many recordings"),
     "bench-asr": ("app.bench_asr", "ASR word error rate and latency over synthetic voices, per model and option"),
+    "bench-load": ("app.bench_load", "N concurrent conversations, batched: speculation off, K = 4 and load-aware"),
     "bench-layerskip": ("app.bench_layerskip", "self-speculation: the target with layers skipped as its drafter"),
     "train-heads": ("app.train_heads", "train draft heads for a target on its own answers (resumable)"),
     "app": ("app.server", "start the browser app"),
+    "bench-users": ("app.bench_users", "N voice clients at once: answered, busy, lost and mixed turns, TTFA"),
     "bench-heard": ("app.bench_heard", "heard delay in headless Chromium over typed turns (needs the test extra)"),
     "casestudy": ("app.casestudy", "reproduce and explain the 700 ms → 240 ms case study"),
 }

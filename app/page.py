@@ -21,7 +21,7 @@ def _definition(name: str) -> str:
     return f'<div class="sv-def">{html.escape(DEFINITIONS[name])}</div>'
 
 
-def controls_html(max_text_chars: int, max_ab_repeats: int) -> str:
+def controls_html(max_text_chars: int, max_ab_repeats: int, max_background: int) -> str:
     k_options = "".join(f'<option value="{k}">{k}</option>' for k in ("adaptive", *map(str, range(1, 9))))
     return f"""
 <div class="sv-card" id="sv-status-card">
@@ -52,8 +52,19 @@ def controls_html(max_text_chars: int, max_ab_repeats: int) -> str:
   <label>drafter <select id="drafter"><option value="draft-model">draft model</option>
     <option value="heads">draft heads</option><option value="ngram">n-gram</option></select></label>
   <label>K <select id="k-policy">{k_options}</select></label>
+  <label class="sv-switch"><input type="checkbox" id="load-aware" checked> load-aware K</label>
   <label>temperature <input id="temperature" type="range" min="0" max="1.5" step="0.1" value="0">
     <output id="temperature-value">0.0</output></label>
+</div>
+<div class="sv-card" id="sv-load-card">
+  <h3>Load: other conversations at once</h3>
+  <label>background conversations <input id="background" type="range" min="0" max="{max_background}" step="1"
+    value="0">
+    <output id="background-value">0</output></label>
+  <div class="sv-def">Simulated users answering prompts back to back on this server, batched with yours into the
+    same target forwards. One user: drafts ride a memory-bound forward nearly free. Many: every drafted token costs
+    compute, and the load-aware K drops drafts where the measured forward costs say they lose (untick "load-aware
+    K" to draft your K whatever the load).</div>
 </div>
 <div class="sv-card">
   <h3>A/B: the same utterance, speculation off vs on</h3>
@@ -91,6 +102,10 @@ def panels_html() -> str:
     <div class="sv-value"><span id="acceptance-rate">–</span></div>{_definition("draft_acceptance_rate")}</div>
   <div class="sv-metric"><div class="sv-label">tokens per target forward</div>
     <div class="sv-value"><span id="tokens-per-forward">–</span></div>{_definition("tokens_per_target_forward")}</div>
+  <div class="sv-metric"><div class="sv-label">batch size</div>
+    <div class="sv-value"><span id="batch-size">–</span></div>{_definition("batch_size")}</div>
+  <div class="sv-metric"><div class="sv-label">K chosen</div>
+    <div class="sv-value"><span id="k-chosen">–</span></div>{_definition("k_chosen")}</div>
 </div>
 <div class="sv-card"><h3>Where the TTFA went <small id="waterfall-mode"></small></h3>
   <div id="waterfall"></div><div class="sv-legend">{legend}</div></div>
@@ -113,7 +128,7 @@ def head_html(static_path: str) -> str:
     )
 
 
-def build_blocks(max_text_chars: int, max_ab_repeats: int) -> gradio.Blocks:
+def build_blocks(max_text_chars: int, max_ab_repeats: int, max_background: int) -> gradio.Blocks:
     import gradio as gr
 
     from .casestudy import build_tab
@@ -122,7 +137,8 @@ def build_blocks(max_text_chars: int, max_ab_repeats: int) -> gradio.Blocks:
         with gr.Tab("Voice agent"):
             with gr.Row(equal_height=False):
                 with gr.Column(scale=2, min_width=320):
-                    gr.HTML(controls_html(max_text_chars, max_ab_repeats), elem_id="sv-controls", js_on_load=None)
+                    controls = controls_html(max_text_chars, max_ab_repeats, max_background)
+                    gr.HTML(controls, elem_id="sv-controls", js_on_load=None)
                 with gr.Column(scale=3, min_width=420):
                     gr.HTML(panels_html(), elem_id="sv-panels", js_on_load=None)
         build_tab()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -41,12 +42,14 @@ LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "::1"})
 class ServerOptions:
     host: str = "127.0.0.1"
     port: int = 7860
-    max_concurrent_answers: int = 1
+    max_concurrent_answers: int = 4  # the in-process engine batches them (specdec/scheduler.py)
     max_turn_s: float = 30.0  # a voice turn is cut here: caps what one user can make the ASR chew on
     max_text_chars: int = 1000
     max_message_bytes: int = 256 * 1024  # per WebSocket message; a 32 ms mic frame is 1 KiB
     max_ab_repeats: int = 10
     kept_audio_turns: int = 20  # answers whose audio stays replayable, per tab
+    max_background: int = 16  # the load control's top: simulated conversations beside the real ones
+    background_conversations: int = 0  # started once the models are ready
 
 
 class RevalidatedStaticFiles(StaticFiles):
@@ -177,7 +180,10 @@ class ModelLoader:
             "load_s": self.load_s,
         }
         if self.agent is not None:
+            background = self.agent.background
             status.update(
+                batched=self.agent.scheduler is not None,
+                background=background.count if background else 0,
                 drafters=available_drafters(self.agent),
                 k=self.config.engine.k,
                 temperature=self.config.temperature,
@@ -224,9 +230,24 @@ class AppServer:
         self.options = options or ServerOptions()
         self.slots = AnswerSlots(self.options.max_concurrent_answers)
         self.sessions: dict[str, ClientSession] = {}
+        self._start_background = self.options.background_conversations > 0
         self.loader = ModelLoader(config, self._loading_changed, build)
 
+    def set_background(self, n: int) -> None:
+        """The load control: n simulated conversations, told to every tab."""
+        agent = self.loader.agent
+        if agent is None:
+            raise ValueError("the models are still loading")
+        if not 0 <= n <= self.options.max_background:
+            raise ValueError(f"background conversations must be 0..{self.options.max_background}, got {n}")
+        agent.set_background(n)
+        self._loading_changed(self.loader.status())
+
     def _loading_changed(self, status: dict) -> None:
+        if status.get("ready") and self._start_background:
+            self._start_background = False
+            self.set_background(self.options.background_conversations)  # tells the tabs itself
+            return
         for session in list(self.sessions.values()):
             session.send(status)
             if not self.loader.loading:
@@ -249,6 +270,7 @@ class AppServer:
                 "export": f"{EXPORT_PATH}/{session.token}",
                 "stages": list(STAGES),
                 "max_concurrent_answers": self.slots.limit,
+                "max_background": self.options.max_background,
             }
         )
         session.send(self.loader.status())
@@ -300,7 +322,9 @@ class AppServer:
 
         api.add_api_websocket_route(protocol.WS_PATH, self.websocket)
         api.mount(STATIC_PATH, RevalidatedStaticFiles(directory=page.STATIC_DIR), name="specvoice-static")
-        blocks = page.build_blocks(self.options.max_text_chars, self.options.max_ab_repeats)
+        blocks = page.build_blocks(
+            self.options.max_text_chars, self.options.max_ab_repeats, self.options.max_background
+        )
         # Mounted last: our routes above take precedence over Gradio's catch-all at "/".
         gr.mount_gradio_app(
             api,
@@ -340,11 +364,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-concurrent-answers",
         type=int,
         default=None,
-        help="answers generated at once over all tabs; more get a 'busy' message (default: "
-        f"{d.max_concurrent_answers} for the in-process engine on CPU, else 4)",
+        help="answers generated at once over all tabs, batched; more get a 'busy' message "
+        f"(default {d.max_concurrent_answers})",
+    )
+    parser.add_argument(
+        "--background-conversations",
+        type=int,
+        default=0,
+        help=f"simulated conversations to start with (the page's load control, 0..{d.max_background})",
     )
     parser.add_argument("--max-turn-s", type=float, default=d.max_turn_s, help="a voice turn is cut at this length")
     add_agent_arguments(parser)
+
+
+def server_setup(args: argparse.Namespace) -> tuple[AgentConfig, ServerOptions]:
+    """`specvoice app`'s configuration from its options: the in-process engine batches the conversations."""
+    config = agent_config_from_args(args)
+    if not args.llm_url:
+        config.engine = dataclasses.replace(config.engine, batched=True)
+    limit = args.max_concurrent_answers or ServerOptions.max_concurrent_answers
+    options = ServerOptions(args.host, args.port, limit, args.max_turn_s)
+    options.background_conversations = args.background_conversations
+    return config, options
 
 
 def main(args: argparse.Namespace) -> int:
@@ -352,11 +393,7 @@ def main(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.WARNING, format="[specvoice] %(message)s")
     log.setLevel(logging.INFO)
-    limit = args.max_concurrent_answers
-    if limit is None:  # one CPU answer already uses every core; a GPU or a vLLM server batches
-        limit = ServerOptions.max_concurrent_answers if args.device == "cpu" and not args.llm_url else 4
-    options = ServerOptions(args.host, args.port, limit, args.max_turn_s)
-    server = AppServer(agent_config_from_args(args), options)
+    server = AppServer(*server_setup(args))
     app = server.build_app()
     log.info("loading models in the background; open http://%s:%d", _url_host(args.host), args.port)
     server.loader.start()

@@ -98,6 +98,8 @@ class TurnStream:
                     "tokens": payload["tokens"],
                     "tokens_per_s": payload["tokens_per_s"],
                     "step_tokens_per_s": step_rate,
+                    "batch_size": payload["batch_size"],
+                    "k_chosen": payload["k_chosen"],
                 }
             )
         elif kind == "audio" and self.stream_audio:
@@ -116,7 +118,13 @@ class ClientSession:
         self.closed = False
         self.clock = ClockSync()
         self.browser_rate = DEFAULT_PLAYBACK_RATE
-        self.settings: dict = {"speculation": True, "drafter": None, "k": None, "temperature": None}
+        self.settings: dict = {
+            "speculation": True,
+            "drafter": None,
+            "k": None,
+            "temperature": None,
+            "load_aware": None,
+        }
         self._applied: dict = {}
         self.conv: Conversation | None = None
         self.turns: list[dict] = []
@@ -232,7 +240,11 @@ class ClientSession:
             s["k"] = k
         if m.get("temperature") is not None:
             s["temperature"] = min(max(float(m["temperature"]), 0.0), 2.0)
+        if m.get("load_aware") is not None:
+            s["load_aware"] = bool(m["load_aware"])
         self.settings = s
+        if m.get("background") is not None:  # the server's load, shared by every tab
+            self.server.set_background(int(m["background"]))
 
     def _text(self, m: dict, received: float) -> None:
         text = str(m.get("text", "")).strip()[: self.server.options.max_text_chars]
@@ -386,7 +398,7 @@ class ClientSession:
         changes = {
             k: v
             for k, v in self.settings.items()
-            if k in ("drafter", "k", "temperature") and v is not None and self._applied.get(k) != v
+            if k in ("drafter", "k", "temperature", "load_aware") and v is not None and self._applied.get(k) != v
         }
         if changes:
             configure = getattr(self.conv.llm, "configure", None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -10,8 +11,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from specdec.bench import read_prompts
 from specdec.build import EngineSpec, build_engine
-from specdec.engine import EngineSession
+from specdec.engine import EngineSession, GenerationConfig
+from specdec.models import asset_path
+from specdec.sampling import SamplingParams
+from specdec.scheduler import BackgroundLoad, BatchScheduler, measure_forward_costs
 from specdec.tokenizer import shared_prefix_ids
 
 from .asr import DEFAULT_BEAM_SIZE, DEFAULT_WINDOW_S, StreamingTranscriber, Transcriber
@@ -21,6 +26,10 @@ from .llm import SYSTEM_PROMPT, EngineLLM, LLMStage, ReplyStats
 from .timeline import Timeline
 from .tts import TTS, make_tts
 from .vad import FRAME, EndOfTurnDetector, VadEvent
+
+log = logging.getLogger("specvoice.agent")
+# The app's simulated background conversations ask the shipped training prompts (never a benchmark prompt).
+BACKGROUND_PROMPTS = asset_path("prompts", "train_prompts.jsonl")
 
 # on_event(kind, payload): "transcript" str, "token" dict, "audio" np.ndarray, "chunk" str, "done" TurnResult
 EventSink = Callable[[str, object], None]
@@ -148,6 +157,7 @@ class VoiceAgent:
         "voice activity detection",
         "speech recognition",
         "text to speech",
+        "forward costs for the load-aware K",
         "LLM, speculation off",
         "LLM, speculation on",
     )
@@ -170,8 +180,12 @@ class VoiceAgent:
                 max_tokens=config.max_new_tokens,
                 temperature=config.temperature,
             )
+        self.scheduler: BatchScheduler | None = None
+        self.background: BackgroundLoad | None = None
         if llm is None:
             self.engine, _ = build_engine(config.engine)
+            if self.engine.runner is not None:  # load-aware once warmup has measured the forward costs
+                self.scheduler = BatchScheduler(self.engine)
         self._shared_llm = llm
         self.transcriber = transcriber or make_transcriber(config)
         self.tts = tts or make_tts(config.tts)
@@ -180,15 +194,38 @@ class VoiceAgent:
     def llm_for_conversation(self) -> LLMStage:
         if self.engine is None:
             return self._shared_llm
-        from specdec.sampling import SamplingParams
-
         session = EngineSession(self.engine)
         if not self.shared_prefix:
             self.shared_prefix = shared_prefix_ids(self.engine.target.tokenizer, self.config.system_prompt)
         session.prefill(self.shared_prefix)  # the system prompt is paid once per conversation, not per turn
         return EngineLLM(
-            self.engine, self.config.max_new_tokens, SamplingParams(self.config.temperature), self.config.seed, session
+            self.engine,
+            self.config.max_new_tokens,
+            SamplingParams(self.config.temperature),
+            self.config.seed,
+            session,
+            self.scheduler,
         )
+
+    def set_background(self, n: int) -> int:
+        """Run n simulated conversations beside the real ones (the app's load control); returns how many run."""
+        if self.scheduler is None:
+            raise ValueError("background load needs the in-process engine with batching (specvoice app)")
+        if self.background is None:
+            assert self.engine is not None  # a scheduler implies the engine
+            tokenizer, system = self.engine.target.tokenizer, {"role": "system", "content": self.config.system_prompt}
+            prompts = [
+                tokenizer.chat_ids([system, {"role": "user", "content": row["prompt"]}])
+                for row in read_prompts(str(BACKGROUND_PROMPTS))
+            ]
+            config = GenerationConfig(self.config.max_new_tokens, SamplingParams(self.config.temperature))
+            self.background = BackgroundLoad(self.scheduler, prompts, config, on_error=self._background_failed)
+        self.background.set(n)
+        return self.background.count
+
+    @staticmethod
+    def _background_failed(error: Exception) -> None:
+        log.warning("a background conversation stopped: %s: %s", type(error).__name__, error)
 
     def new_conversation(self) -> Conversation:
         return Conversation(self)
@@ -201,15 +238,20 @@ class VoiceAgent:
 
     def warmup(self, progress: Callable[[int], None] = lambda step: None) -> None:
         """Pay every stage's first-call costs (the VAD's native library and model, ASR buffers, TTS lexicons,
-        kernels for both LLM modes) before anyone waits; progress(i) as WARMUP_STEPS[i] starts."""
+        kernels for both LLM modes) and measure the forward costs the load-aware K needs, before anyone waits;
+        progress(i) as WARMUP_STEPS[i] starts."""
         progress(0)
         EndOfTurnDetector(hangover_ms=self.config.hangover_ms).feed(np.zeros(SAMPLE_RATE, np.float32), 0.0)
         progress(1)
         self.transcriber.warmup()
         progress(2)
         self.tts.warmup()
+        progress(3)
+        if self.scheduler is not None and self.config.engine.load_aware:
+            assert self.engine is not None  # a scheduler implies the engine
+            self.scheduler.costs = measure_forward_costs(self.engine, trials=1)  # the ridge, measured here (~30 s)
         conv = self.new_conversation()
-        for step, speculation in enumerate((False, True), start=3):
+        for step, speculation in enumerate((False, True), start=4):
             progress(step)
             self.respond(conv, "Say hi.", Timeline(), speculation, remember=False)
 
@@ -292,6 +334,8 @@ class VoiceAgent:
                             "accepted": delta.accepted,
                             "tokens": stats.tokens,
                             "tokens_per_s": stats.tokens_per_s,
+                            "batch_size": delta.batch_size,
+                            "k_chosen": delta.k_chosen,
                         },
                     )
                     for chunk in chunker.push(delta.text):

@@ -12,6 +12,7 @@ from specdec.build import k_policy_factory
 from specdec.engine import EngineSession, GenerationConfig, SpeculativeEngine
 from specdec.metrics import SpecStats
 from specdec.sampling import SamplingParams
+from specdec.scheduler import BatchScheduler
 from specdec.tokenizer import IncrementalDecoder
 
 SYSTEM_PROMPT = (
@@ -30,6 +31,8 @@ class LLMDelta:
     t: float  # time.perf_counter() when it was emitted
     finish_reason: str | None = None
     pieces: list[tuple[str, bool | None]] = field(default_factory=list)  # per token: (text, from an accepted draft)
+    batch_size: int = 1  # metrics.DEFINITIONS["batch_size"], of this step's target forward
+    k_chosen: int = 0  # metrics.DEFINITIONS["k_chosen"]
 
 
 @dataclass
@@ -81,18 +84,30 @@ class EngineLLM:
         sampling: SamplingParams | None = None,
         seed: int = 0,
         session: EngineSession | None = None,
+        scheduler: BatchScheduler | None = None,
     ) -> None:
         self.name = "engine"
         self.engine = engine
+        self.scheduler = scheduler  # given: this conversation's steps are batched with the others'
         self.tokenizer = engine.target.tokenizer
         self.max_new_tokens = max_new_tokens
         self.sampling = sampling or SamplingParams()
         self.seed = seed
         self.session = session  # KV caches kept between this conversation's turns
         self.k: str | None = None  # None: the engine's default K policy
+        self.load_aware = True  # batched: K capped by load (specdec/scheduler.py)
 
-    def configure(self, drafter: str | None = None, k: str | None = None, temperature: float | None = None) -> None:
-        """Per-conversation controls: drafter ("draft-model" / "heads" / "ngram"), K ("4" / "adaptive"), temperature."""
+    def configure(
+        self,
+        drafter: str | None = None,
+        k: str | None = None,
+        temperature: float | None = None,
+        load_aware: bool | None = None,
+    ) -> None:
+        """Per-conversation controls: drafter ("draft-model" / "heads" / "ngram"), K ("4" / "adaptive"), temperature,
+        and whether a batched answer's K is capped by load."""
+        if load_aware is not None:
+            self.load_aware = load_aware
         if drafter is not None:
             if self.session is None:
                 raise ValueError("switching drafters needs a conversation session")
@@ -124,10 +139,11 @@ class EngineLLM:
         cancel: threading.Event | None = None,
     ) -> Iterator[LLMDelta]:
         policy = k_policy_factory(self.k) if self.k else None
-        config = GenerationConfig(self.max_new_tokens, self.sampling, self.seed, speculation, policy)
+        config = GenerationConfig(self.max_new_tokens, self.sampling, self.seed, speculation, policy, self.load_aware)
         decoder = IncrementalDecoder(self.tokenizer)
         eos = self.tokenizer.eos_token_ids
-        for ev in self.engine.stream(self.prompt_ids(messages, stats), config, cancel, stats.spec, self.session):
+        source = self.scheduler or self.engine
+        for ev in source.stream(self.prompt_ids(messages, stats), config, cancel, stats.spec, self.session):
             now = time.perf_counter()
             if ev.note:
                 stats.notes.append(ev.note)
@@ -143,4 +159,6 @@ class EngineLLM:
                 t=now,
                 finish_reason=ev.finish_reason,
                 pieces=pieces,
+                batch_size=ev.batch_size,
+                k_chosen=ev.k_planned,
             )

@@ -57,10 +57,17 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="draft LM head over the first N token ids (0: whole vocabulary)",
     )
     parser.add_argument(
-        "--max-speculative-sequences",
-        type=int,
-        default=d.max_speculative_sequences,
-        help="speculation pauses while more sequences than this decode at once",
+        "--speculative-disable-by-batch-size",
+        type=positive_int,
+        default=d.disable_by_batch_size,
+        help="vLLM's meaning: no drafting in a step while more sequences than this are decoding (default: never; "
+        "the load-aware K already drops drafts where the measured forward costs say they lose)",
+    )
+    parser.add_argument(
+        "--no-load-aware",
+        dest="load_aware",
+        action="store_false",
+        help="batched conversations keep their own K policy instead of the K chosen from load and acceptance",
     )
     parser.add_argument(
         "--draft-min-prob",
@@ -93,7 +100,8 @@ def spec_from_args(args: argparse.Namespace) -> EngineSpec:
         target_quant=args.target_quant,
         draft_quant=args.draft_quant,
         draft_vocab=args.draft_vocab,
-        max_speculative_sequences=args.max_speculative_sequences,
+        disable_by_batch_size=args.speculative_disable_by_batch_size,
+        load_aware=args.load_aware,
         draft_min_prob=args.draft_min_prob,
         auto_off=args.auto_off,
     )

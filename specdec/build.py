@@ -52,7 +52,9 @@ class EngineSpec:
     # Cheaper draft forwards (lossless: the target verifies every token).
     draft_quant: str = "int8"  # "int8" (dynamic quantization of Linear layers, CPU) or "none"
     draft_vocab: int = 0  # draft LM head over the first N token ids; 0 keeps the whole vocabulary
-    max_speculative_sequences: int = 4
+    disable_by_batch_size: int | None = None  # vLLM's --speculative-disable-by-batch-size
+    batched: bool = False  # target KV in a BatchRunner, for a BatchScheduler (the app; bench-load)
+    load_aware: bool = True  # a batch's K chosen from measured forward costs and acceptance (specdec/scheduler.py)
     draft_min_prob: float | None = None  # stop drafting below this top-token probability; None: the preset's
     auto_off: bool = True  # the governor may switch speculation off where it measures it slower
 
@@ -200,7 +202,9 @@ def build_engines(
         log(f"{target.name}: one-token steps are fed as two (a one-row matmul is slower here)")
     k_policy = k_policy_factory(spec.k, spec.k_min, spec.k_max)
     engines = {
-        name: SpeculativeEngine(target, factories[name], k_policy, spec.max_speculative_sequences, spec.auto_off)
+        name: SpeculativeEngine(
+            target, factories[name], k_policy, spec.disable_by_batch_size, spec.auto_off, batched=spec.batched
+        )
         for name in drafts
     }
     return engines, target, {name: added[name] for name in drafts}

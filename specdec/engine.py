@@ -15,7 +15,10 @@ from .kpolicy import KPolicy, SpeculationGovernor
 from .kv import PrefixCache
 from .metrics import SpecStats
 from .models import LoadedModel
+from .runner import BatchRunner, SequenceCache
 from .sampling import SamplingParams, accept_greedy, accept_sampled, logits_to_probs, sample
+
+TargetCache = PrefixCache | SequenceCache  # a session's target KV: alone, or in a BatchRunner
 
 
 class PromptError(ValueError):
@@ -29,6 +32,7 @@ class GenerationConfig:
     seed: int = 0
     speculate: bool = True
     k_policy: Callable[[], KPolicy] | None = None  # overrides the engine's default K policy for this answer
+    load_aware: bool = True  # in a load-aware BatchScheduler: K capped by load (else the K policy's K, load or not)
 
 
 @dataclass(kw_only=True)
@@ -47,6 +51,7 @@ class StepEvent:
     verify_seconds: float = 0.0
     note: str = ""  # why speculation changed state, if it did
     finish_reason: str | None = None  # "eos", "length", "context", "cancelled" on the last event
+    batch_size: int = 1  # sequences that shared this target forward (continuous batching)
 
     @property
     def k_drafted(self) -> int:
@@ -62,7 +67,7 @@ class EngineSession:
 
     def __init__(self, engine: SpeculativeEngine) -> None:
         self.engine = engine
-        self.target = PrefixCache(engine.target.model, engine.target.device, engine.target.min_feed)
+        self.target = engine.new_target_cache()
         self.drafter: Drafter | None = None
         self._set_drafter(engine.drafter_factory() if engine.drafter_factory else None)
 
@@ -107,7 +112,21 @@ class EngineSession:
 
 
 @dataclass
-class _Answer:
+class Draft:
+    """What a step drafted, before the target forward that verifies it."""
+
+    k_planned: int
+    note: str
+    proposal: Proposal | None
+    seconds: float
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.proposal.tokens if self.proposal else []
+
+
+@dataclass
+class Answer:
     """What one answer carries from step to step."""
 
     ctx: list[int]
@@ -120,7 +139,7 @@ class _Answer:
     observer: Drafter | None = None  # reads the target's hidden states after every forward, drafting or not
 
 
-def observe_target(drafter: Drafter, target: PrefixCache) -> None:
+def observe_target(drafter: Drafter, target: TargetCache) -> None:
     """Hand the drafter the target's hidden states of the positions its last forward fed and kept."""
     assert target.hidden is not None, "keep_hidden was off for that forward"
     kept = len(target.tokens) - target.hidden_start
@@ -132,9 +151,10 @@ class SpeculativeEngine:
 
     Reproducibility: sampling draws come from one generator seeded by GenerationConfig.seed, in step order. The same
     seed gives the same answer whenever the K schedule is the same: a fixed K with auto_off False, and no
-    concurrency pause. AdaptiveK picks K from measured draft and verify times, the governor switches speculation
-    off by measured time, and the pause depends on load; each changes which positions are drafts, so with them a
-    seed can give another answer, drawn from the same target distribution. Greedy answers never depend on it.
+    pause by batch size and no load-aware K. AdaptiveK picks K from measured draft and verify times, the governor
+    switches speculation off by measured time, and the pause and the load-aware K depend on load; each changes which
+    positions are drafts, so with them a seed can give another answer, drawn from the same target distribution.
+    Greedy answers never depend on it.
     """
 
     def __init__(
@@ -142,17 +162,38 @@ class SpeculativeEngine:
         target: LoadedModel,
         drafter_factory: Callable[[], Drafter] | None,
         k_policy_factory: Callable[[], KPolicy],
-        max_speculative_sequences: int = 4,
+        disable_by_batch_size: int | None = None,
         auto_off: bool = True,
+        batched: bool = False,
     ) -> None:
         self.target = target
         self.drafter_factory = drafter_factory
         self.drafter_kind = drafter_factory().kind if drafter_factory else None
         self.k_policy_factory = k_policy_factory
-        self.max_speculative_sequences = max_speculative_sequences
+        # vLLM's --speculative-disable-by-batch-size: no drafts in a step while more sequences than this are running
+        self.disable_by_batch_size = disable_by_batch_size
         self.auto_off = auto_off  # let the governor switch speculation off when it measures it slower
+        # batched: sessions keep their target KV in a BatchRunner, so a BatchScheduler can batch their steps
+        self.runner = BatchRunner(target.model, target.device) if batched else None
         self._active = 0
         self._lock = threading.Lock()
+
+    def new_target_cache(self) -> TargetCache:
+        if self.runner is not None:
+            return self.runner.new_cache()
+        return PrefixCache(self.target.model, self.target.device, self.target.min_feed)
+
+    def new_answer(self, prompt_ids: list[int], config: GenerationConfig, session: EngineSession) -> Answer:
+        self.check_prompt(prompt_ids, config.max_new_tokens)
+        room = self.target.max_context - len(prompt_ids)
+        return Answer(
+            list(prompt_ids),
+            min(config.max_new_tokens, room),
+            config.max_new_tokens <= room,
+            session.drafter if config.speculate else None,
+            (config.k_policy or self.k_policy_factory)(),
+            observer=session.observer(),
+        )
 
     def check_prompt(self, prompt_ids: list[int], max_new_tokens: int = 1) -> None:
         if max_new_tokens < 1:
@@ -174,17 +215,8 @@ class SpeculativeEngine:
         stats: SpecStats | None = None,
         session: EngineSession | None = None,
     ) -> Iterator[StepEvent]:
-        self.check_prompt(prompt_ids, config.max_new_tokens)
         session = session or EngineSession(self)
-        room = self.target.max_context - len(prompt_ids)
-        answer = _Answer(
-            list(prompt_ids),
-            min(config.max_new_tokens, room),
-            config.max_new_tokens <= room,
-            session.drafter if config.speculate else None,
-            (config.k_policy or self.k_policy_factory)(),
-            observer=session.observer(),
-        )
+        answer = self.new_answer(prompt_ids, config, session)
         gen = torch.Generator(device=self.target.device).manual_seed(config.seed)
         stats = stats if stats is not None else SpecStats()
         with self._lock:
@@ -194,7 +226,10 @@ class SpeculativeEngine:
                 if cancel is not None and cancel.is_set():  # checked before spending a forward pass
                     yield StepEvent(step=n, tokens=[], from_draft=[], finish_reason="cancelled")
                     return
-                event = self._step(n, answer, session.target, config.sampling, gen, stats)
+                draft = self.draft(answer, config.sampling, gen, self._active)
+                t0 = time.perf_counter()
+                logits = session.target.extend(answer.ctx + draft.tokens, n_logits=len(draft.tokens) + 1)
+                event = self.conclude(n, answer, session.target, draft, logits, config.sampling, gen, stats, t0)
                 yield event
                 if event.finish_reason:
                     return
@@ -202,30 +237,35 @@ class SpeculativeEngine:
             with self._lock:
                 self._active -= 1
 
-    def _plan_k(self, answer: _Answer) -> tuple[int, str]:
-        """Drafts to ask for this step (0: a plain target step), and why speculation changed state, if it did."""
+    def _plan_k(self, answer: Answer, running: int, k_cap: int | None) -> tuple[int, str]:
+        """Drafts to ask for this step (0: a plain target step), and why speculation changed state, if it did.
+        running: sequences decoding now; k_cap: a load-aware scheduler's choice, which then replaces the governor
+        (its times are the batch's, not this answer's)."""
         if answer.drafter is None:
             return 0, ""
-        if self.auto_off and answer.governor.off_reason:
+        if k_cap is None and self.auto_off and answer.governor.off_reason:
             answer.drafter = None
             return 0, answer.governor.off_reason
-        if self._active > self.max_speculative_sequences:
-            return 0, f"speculation paused: {self._active} sequences > limit {self.max_speculative_sequences}"
-        if self.auto_off and answer.governor.wants_probe:
+        limit = self.disable_by_batch_size
+        if limit is not None and running > limit:
+            return 0, f"speculation paused: {running} sequences > --speculative-disable-by-batch-size {limit}"
+        if k_cap is None and self.auto_off and answer.governor.wants_probe:
             return 0, ""  # one plain step measures what target-only costs, for the governor's comparison
-        return min(answer.policy.next_k(), answer.budget - answer.produced - 1), ""
+        k = self.wanted_k(answer)
+        return (k if k_cap is None else min(k, k_cap)), ""
 
-    def _step(
-        self,
-        n: int,
-        answer: _Answer,
-        target: PrefixCache,
-        params: SamplingParams,
-        gen: torch.Generator,
-        stats: SpecStats,
-    ) -> StepEvent:
-        """One target forward: draft → verify → accept → roll back → observe."""
-        k_planned, note = self._plan_k(answer)
+    @staticmethod
+    def wanted_k(answer: Answer) -> int:
+        """The most drafts the answer's own K policy asks for now (0 without a drafter)."""
+        if answer.drafter is None:
+            return 0
+        return max(0, min(answer.policy.next_k(), answer.budget - answer.produced - 1))
+
+    def draft(
+        self, answer: Answer, params: SamplingParams, gen: torch.Generator, running: int, k_cap: int | None = None
+    ) -> Draft:
+        """The first half of a step: plan K and let the drafter propose (the target forward comes next)."""
+        k_planned, note = self._plan_k(answer, running, k_cap)
         t0 = time.perf_counter()
         proposal = None
         drafter = answer.drafter
@@ -234,16 +274,32 @@ class SpeculativeEngine:
                 proposal = drafter.propose(answer.ctx, k_planned, params, gen)
             except Exception as e:  # a failing drafter must not cost the answer: go on with the target
                 note, answer.drafter = f"drafter failed ({type(e).__name__}: {e}); continuing target-only", None
-        t1 = time.perf_counter()
-        drafts = proposal.tokens if proposal else []
-        n_acc, nxt = self._verify(target, answer.ctx, proposal, params, gen)
+        return Draft(k_planned, note, proposal, time.perf_counter() - t0)
+
+    def conclude(
+        self,
+        n: int,
+        answer: Answer,
+        target: TargetCache,
+        draft: Draft,
+        logits: torch.Tensor,
+        params: SamplingParams,
+        gen: torch.Generator,
+        stats: SpecStats,
+        forward_start: float,
+        batch_size: int = 1,
+    ) -> StepEvent:
+        """The second half, once the target forward over ctx + drafts gave `logits`: accept → roll back → observe."""
+        drafts, proposal, note = draft.tokens, draft.proposal, draft.note
+        n_acc, nxt = accept(logits[-(len(drafts) + 1) :], proposal, params, gen)
+        target.rollback(len(answer.ctx) + n_acc)  # the cache keeps ctx and the accepted drafts
         if answer.observer is not None:
             try:
                 observe_target(answer.observer, target)
             except Exception as e:  # as for a failing propose: the answer goes on with the target alone
                 note = f"drafter failed ({type(e).__name__}: {e}); continuing target-only"
                 answer.drafter = answer.observer = None
-        t2 = time.perf_counter()
+        verify_s = time.perf_counter() - forward_start
         emitted, finish = self._trim(drafts[:n_acc] + [nxt], answer)
         # Count only what the answer keeps: drafts past EOS (or the budget) were never needed.
         n_acc_kept = min(n_acc, len(emitted))
@@ -252,16 +308,16 @@ class SpeculativeEngine:
         forwards = proposal.forwards if proposal else 0
         stats.record(
             len(emitted),
-            t2 - t1,
+            verify_s,
             speculative=speculative,
             k_drafted=k_counted,
             n_accepted=n_acc_kept,
-            draft_s=t1 - t0,
+            draft_s=draft.seconds,
             draft_forwards=forwards,
         )
-        answer.governor.observe(speculative, len(emitted), t1 - t0, t2 - t1)
+        answer.governor.observe(speculative, len(emitted), draft.seconds, verify_s)
         if speculative:
-            answer.policy.observe(n_acc_kept, k_counted, forwards, t1 - t0, t2 - t1)
+            answer.policy.observe(n_acc_kept, k_counted, forwards, draft.seconds, verify_s)
         answer.ctx += emitted
         answer.produced += len(emitted)
         return StepEvent(
@@ -269,17 +325,18 @@ class SpeculativeEngine:
             tokens=emitted,
             from_draft=[i < n_acc for i in range(len(emitted))],
             speculative=speculative,
-            k_planned=k_planned,
+            k_planned=draft.k_planned,
             drafted=drafts,
             n_accepted=n_acc_kept,
             draft_forwards=forwards,
-            draft_seconds=t1 - t0,
-            verify_seconds=t2 - t1,
+            draft_seconds=draft.seconds,
+            verify_seconds=verify_s,
             note=note,
             finish_reason=finish,
+            batch_size=batch_size,
         )
 
-    def _trim(self, emitted: list[int], answer: _Answer) -> tuple[list[int], str | None]:
+    def _trim(self, emitted: list[int], answer: Answer) -> tuple[list[int], str | None]:
         """Cut at EOS and at the token budget; the target cache drops the rest on its next extend."""
         eos = self.target.tokenizer.eos_token_ids
         room = answer.budget - answer.produced
@@ -290,22 +347,18 @@ class SpeculativeEngine:
             return emitted[:room], "length" if answer.length_limited else "context"
         return emitted, None
 
-    @staticmethod
-    def _verify(
-        target: PrefixCache, ctx: list[int], proposal: Proposal | None, params: SamplingParams, gen: torch.Generator
-    ) -> tuple[int, int]:
-        """One target forward over ctx + drafts; returns (accepted drafts, the target's next token)."""
-        drafts = proposal.tokens if proposal else []
-        logits = target.extend(ctx + drafts, n_logits=len(drafts) + 1)[-(len(drafts) + 1) :]
-        if params.greedy:
-            n_acc, nxt = accept_greedy(drafts, logits.argmax(-1).tolist())
-        elif proposal is not None and drafts:
-            n_acc, nxt = accept_sampled(drafts, logits_to_probs(logits, params), proposal.probs, gen)
-        else:
-            n_acc, nxt = 0, sample(logits_to_probs(logits[-1], params), gen)
-        # The cache keeps ctx and the accepted drafts; rejected drafts are dropped now.
-        target.rollback(len(ctx) + n_acc)
-        return n_acc, nxt
+
+def accept(
+    logits: torch.Tensor, proposal: Proposal | None, params: SamplingParams, gen: torch.Generator
+) -> tuple[int, int]:
+    """The target's verdict on the drafts from its logits at the last position before them and at each draft
+    (len(drafts) + 1 rows): accepted drafts, and the target's own next token."""
+    drafts = proposal.tokens if proposal else []
+    if params.greedy:
+        return accept_greedy(drafts, logits.argmax(-1).tolist())
+    if proposal is not None and drafts:
+        return accept_sampled(drafts, logits_to_probs(logits, params), proposal.probs, gen)
+    return 0, sample(logits_to_probs(logits[-1], params), gen)
 
 
 def collect(events: Iterator[StepEvent]) -> tuple[list[int], list[StepEvent]]:

@@ -36,6 +36,18 @@ DEFINITIONS: dict[str, str] = {
     "answer tokens, teacher-forced (the reference's own value is the ceiling it is compared with)",
     "expected_speedup": "Leviathan et al.: (1 − α^(K+1)) / ((1 − α)(cK + 1)), c = draft forward ÷ target forward",
     "draft_cost_ratio": "c = seconds per draft forward ÷ seconds per target forward (in a speculative step)",
+    "batch_size": "sequences whose steps shared one target forward (continuous batching: every active conversation, "
+    "the app's simulated background conversations included)",
+    "k_chosen": "drafts asked of a sequence's drafter for one step: its K policy's K, capped by the load-aware choice "
+    "(the K that maximises the batch's expected tokens per second from the measured forward cost at the batch's "
+    "tokens and each sequence's α and draft cost); 0 is a plain step",
+    "aggregate_tokens_per_s": "bench-load: tokens emitted by all N concurrent conversations during the measured "
+    "window ÷ the window's seconds (steady state: conversations start a new prompt as soon as one is answered, "
+    "prefills included)",
+    "per_sequence_tokens_per_s": "bench-load: the median over the N conversations of tokens it emitted in the window "
+    "÷ the window's seconds: the rate one user sees",
+    "crossover_concurrency": "bench-load: the smallest N in the sweep at which fixed K = 4 gives fewer aggregate "
+    "tokens/s than speculation off (null if none)",
     "ttfa_ms": "time to first audio: end of the last voiced user audio → first answer sample out of the TTS "
     "(server side); includes the end-of-turn silence wait, and its stages add up to it",
     "ttfa_heard_ms": "the same start → the first answer sample heard in the browser (AudioWorklet output time, "

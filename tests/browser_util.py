@@ -6,11 +6,10 @@ from browser_util import running_app, shared_agent, gated_build, CHROMIUM
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
-import json
 import os
 import threading
-import time
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -21,16 +20,24 @@ from app.bench_heard import CHROMIUM as CHROMIUM
 from app.bench_heard import CHROMIUM_ARGS as CHROMIUM_ARGS
 from app.bench_heard import free_port as free_port
 from app.bench_heard import serving, tiny_config
+from app.bench_users import recv_until as recv_until  # the WebSocket client's reader, shared with bench-users
 from app.protocol import WS_PATH
 from app.server import AppServer, ServerOptions
-from pipeline.agent import VoiceAgent
+from pipeline.agent import AgentConfig, VoiceAgent
 from pipeline.audio import SAMPLE_RATE
 
 
 @functools.cache
 def shared_agent() -> VoiceAgent:
     """One agent for every app test in this process (loading ASR and TTS costs seconds); each app warms it up."""
-    return VoiceAgent(tiny_config())
+    return VoiceAgent(app_tiny_config())
+
+
+def app_tiny_config() -> AgentConfig:
+    """tiny_config as `specvoice app` runs it (app.server.server_setup): the conversations batched."""
+    config = tiny_config()
+    config.engine = dataclasses.replace(config.engine, batched=True)
+    return config
 
 
 def gated_build(gate: threading.Event, error: str | None = None) -> Callable:
@@ -59,7 +66,7 @@ class RunningApp:
 def running_app(build: Callable | None = None, **options) -> Iterator[RunningApp]:
     """`specvoice app` in a thread on a free port; build(progress) -> agent replaces model loading."""
     server = AppServer(
-        tiny_config(), ServerOptions(port=free_port(), **options), build=build or (lambda progress: shared_agent())
+        app_tiny_config(), ServerOptions(port=free_port(), **options), build=build or (lambda progress: shared_agent())
     )
     with serving(server) as url:
         yield RunningApp(server, url)
@@ -68,24 +75,6 @@ def running_app(build: Callable | None = None, **options) -> Iterator[RunningApp
 def wait_ready(app: RunningApp, timeout: float = 60) -> None:
     if not app.server.loader.finished.wait(timeout) or app.server.loader.error:
         raise RuntimeError(f"models not ready: {app.server.loader.error}")
-
-
-def recv_until(ws, want: Callable[[dict], bool], timeout: float = 30) -> tuple[dict, list]:
-    """Read a websockets sync client until a JSON message satisfies want; returns it and everything read."""
-    seen: list = []
-    deadline = time.monotonic() + timeout
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError(f"no matching message; saw {[m if isinstance(m, dict) else len(m) for m in seen]}")
-        raw = ws.recv(timeout=left)
-        msg = json.loads(raw) if isinstance(raw, str) else raw
-        seen.append(msg)
-        if isinstance(msg, dict):
-            if msg.get("type") == "ping":  # keep the clock estimate fed, like the page does
-                ws.send(json.dumps({"type": "pong", "ts": msg["ts"], "tc": time.perf_counter() * 1000}))
-            elif want(msg):
-                return msg, seen
 
 
 def utterance_wav(path: str | os.PathLike[str], text: str, lead_s: float = 0.5, tail_s: float = 4.0) -> float:

@@ -25,6 +25,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
 from app import report, server
+from app.bench_users import send_speech
 from app.protocol import AUDIO_HEADER, FLAG_REPLAY, ClockSync, decode_mic_frame, pack_audio, unpack_audio
 from app.server import ModelLoader, origin_allowed
 from app.session import AnswerSlots
@@ -333,19 +334,12 @@ def test_the_app_is_ready_once_every_stage_is_warm(monkeypatch):
         ("warm-up: voice activity detection", set()),
         ("warm-up: speech recognition", {"vad"}),
         ("warm-up: text to speech", {"vad", "asr"}),
+        ("warm-up: forward costs for the load-aware K", {"vad", "asr", "tts"}),
         ("warm-up: LLM, speculation off", {"vad", "asr", "tts"}),
         ("warm-up: LLM, speculation on", {"vad", "asr", "tts", "llm, speculation off"}),
     ]
     assert ran_when_ready == {"vad", "asr", "tts", "llm, speculation off", "llm, speculation on"}
     assert ran.count("vad") == ran.count("asr") == ran.count("llm, speculation on") == 1
-
-
-def send_speech(ws, audio16k) -> None:
-    """Stream audio as the page does: Int16 frames of 512 samples, in real time."""
-    t0 = time.perf_counter()
-    for i in range(0, len(audio16k), 512):
-        time.sleep(max(0.0, t0 + (i + 512) / 16000 - time.perf_counter()))
-        ws.send((np.clip(audio16k[i : i + 512], -1, 1) * 32767).astype("<i2").tobytes())
 
 
 @needs_espeak
@@ -453,6 +447,48 @@ def test_cli_options_reach_the_server():
     config = agent_config_from_args(args)
     assert (config.hangover_ms, config.asr_model, config.tts) == (200, "base", "piper")
     assert (config.engine.draft, config.engine.k) == ("ngram", "adaptive")
+    config, options = server.server_setup(args)
+    assert config.engine.batched and config.engine.load_aware and options.max_concurrent_answers == 2
+    parser = argparse.ArgumentParser()
+    server.add_arguments(parser)
+    args = parser.parse_args(["--llm-url", "http://gpu:8000/v1", "--background-conversations", "3"])
+    config, options = server.server_setup(args)
+    assert not config.engine.batched  # the remote server batches; nothing to batch here
+    assert options.max_concurrent_answers == server.ServerOptions.max_concurrent_answers
+    assert options.background_conversations == 3
+
+
+@pytest.mark.models
+def test_load_control_batches_background_conversations_with_a_turn(app):
+    """The presenter's load control: simulated conversations share the target's forwards with a real turn, whose
+    token messages report the batch size and the K chosen; every tab hears the new load; out of range is refused."""
+    with connect(app.ws_url, origin=app.url, max_size=None) as ws:
+        status, _ = recv_until(ws, lambda m: m["type"] == "status" and m["ready"])
+        assert status["batched"] and status["background"] == 0
+        try:
+            ws.send(json.dumps({"type": "settings", "background": 2}))
+            recv_until(ws, lambda m: m["type"] == "status" and m.get("background") == 2)
+            ws.send(json.dumps({"type": "text", "text": "Tell me about the weather."}))
+            done, seen = recv_until(ws, lambda m: m["type"] == "done")
+            tokens = [m for m in seen if isinstance(m, dict) and m["type"] == "token"]
+            assert max(m["batch_size"] for m in tokens) == 3  # two simulated conversations and this turn
+            assert all(0 <= m["k_chosen"] <= 16 for m in tokens) and done["data"]["answer"]
+            assert done["data"]["settings"]["load_aware"] is None  # never touched: the default, load-aware
+            ws.send(json.dumps({"type": "settings", "load_aware": False}))
+            ws.send(json.dumps({"type": "text", "text": "And tomorrow?"}))
+            done, _ = recv_until(ws, lambda m: m["type"] == "done")
+            assert done["data"]["settings"]["load_aware"] is False and done["data"]["answer"]
+            ws.send(json.dumps({"type": "settings", "background": 99}))
+            err, _ = recv_until(ws, lambda m: m["type"] == "error")
+            assert "0..16" in err["message"]
+        finally:
+            ws.send(json.dumps({"type": "settings", "background": 0}))
+            recv_until(ws, lambda m: m["type"] == "status" and m.get("background") == 0)
+    scheduler = app.server.loader.agent.scheduler
+    deadline = time.monotonic() + 10
+    while scheduler.active:  # the simulated conversations stop at their next step
+        assert time.monotonic() < deadline, "background conversations kept running"
+        time.sleep(0.05)
 
 
 @pytest.mark.models

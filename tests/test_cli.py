@@ -110,8 +110,50 @@ def test_every_subcommand_has_help():
         "bench-voice",
         "app",
         "casestudy",
+        "bench-load",
+        "bench-users",
     ):
         assert name in out
+
+
+def test_bench_load_sweeps_modes_side_by_side(tiny_engine, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hello"}\n{"prompt": "count: 1 2 3"}\n{"prompt": "tell me a story"}\n')
+    out = tmp_path / "load.json"
+    specvoice(
+        "bench-load",
+        *tiny_engine.cli_args,
+        "--prompts",
+        str(prompts),
+        "--concurrency",
+        "2,1",
+        "--seconds",
+        "0.3",
+        "--rounds",
+        "2",
+        "--max-new-tokens",
+        "12",
+        "--json",
+        str(out),
+    )
+    data = json.loads(out.read_text())
+    runs = data["runs"]
+    assert [(r["concurrency"], r["mode"]) for r in runs] == [
+        (n, mode) for n in (1, 2) for mode in ("off", "k4", "load_aware")
+    ]
+    for r in runs:
+        assert r["aggregate_tokens_per_s"] > 0 and len(r["aggregate_tokens_per_s_by_round"]) == 2
+        assert r["per_sequence_tokens_per_s"] <= r["aggregate_tokens_per_s"]
+        assert (r["mean_k_chosen"] == 0) == (r["mode"] == "off") or r["mode"] == "load_aware"
+    rate = {(r["concurrency"], r["mode"]): r["aggregate_tokens_per_s"] for r in runs}
+    losing = [n for n in (1, 2) if rate[n, "k4"] < rate[n, "off"]]
+    assert data["crossover_concurrency"] == (losing[0] if losing else None)
+    assert set(data["predicted"]) >= {"case_study_crossover_concurrency", "measured_costs_speedup_k4"}
+    assert len(data["forward_costs"]["seconds"]) == len(data["forward_costs"]["batches"])
+    assert (tmp_path / "load.png").stat().st_size > 1000
+    assert "aggregate_tokens_per_s" in data["definitions"]
+    bad = specvoice("bench-load", *tiny_engine.cli_args, "--concurrency", "0", "--json", str(out), check=False)
+    assert bad.returncode == 2 and "--concurrency" in bad.stderr
 
 
 def test_bench_target_compares_formats_in_one_run(tiny_engine, tmp_path):

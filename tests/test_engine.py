@@ -233,7 +233,7 @@ def test_drafter_failing_mid_answer_falls_back_and_keeps_tokens(tiny_engine):
 
 def test_speculation_pauses_above_concurrency_limit(tiny_engine):
     target, draft = tiny_engine.models
-    engine = make_engine(target, draft_factory(draft), "3", max_speculative_sequences=0)
+    engine = make_engine(target, draft_factory(draft), "3", disable_by_batch_size=0)
     ids = target.tokenizer.chat_ids([{"role": "user", "content": "hello"}])
     tokens, events = collect(engine.stream(ids, GenerationConfig(10)))
     assert all(ev.k_planned == 0 for ev in events) and "paused" in events[0].note

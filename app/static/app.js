@@ -102,7 +102,7 @@ document.addEventListener('click', (e) => {
 });
 document.addEventListener('change', (e) => {
   const id = e.target.id;
-  if (['speculation', 'drafter', 'k-policy', 'temperature'].includes(id)) {
+  if (['speculation', 'drafter', 'k-policy', 'temperature', 'background', 'load-aware'].includes(id)) {
     if (id !== 'speculation') S.touched.add(id);
     sendSettings();
     render();
@@ -113,6 +113,7 @@ document.addEventListener('input', (e) => {
     S.touched.add('temperature');
     setText('temperature-value', Number(e.target.value).toFixed(1));
   }
+  if (e.target.id === 'background') setText('background-value', e.target.value);
 });
 
 setupAudio({ heard: send, micFrame: sendMicFrame });

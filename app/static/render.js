@@ -108,6 +108,12 @@ function renderControls() {
   const temp = $('temperature');
   if (temp && st && st.temperature !== undefined && !S.touched.has('temperature')) temp.value = st.temperature;
   if (temp) setText('temperature-value', Number(temp.value).toFixed(1));
+  const background = $('background');
+  if (background && st && st.background !== undefined) {
+    background.disabled = !st.batched;
+    background.value = st.background; // the server's load, shared by every tab
+    setText('background-value', String(st.background));
+  }
   for (const [id, name] of [['export-report', 'report.html'], ['export-csv', 'turns.csv'],
     ['export-json', 'turns.json']]) {
     const a = $(id);
@@ -133,6 +139,8 @@ function renderMetrics() {
     setText('acceptance-rate', t.proposed ? pct(t.accepted / t.proposed) : '…');
     setText('tokens-per-forward', t.forwards ? fmt(t.emitted / t.forwards, 2) : '…');
   }
+  setText('batch-size', t.batchSize ?? '–'); // of this answer's latest target forward
+  setText('k-chosen', t.speculation ? (t.kChosen ?? '–') : 'off');
 }
 
 function renderWaterfall() {

@@ -77,6 +77,8 @@ function onJson(m) {
       t.accepted += m.accepted;
       t.emitted += m.step_tokens;
       t.forwards += 1;
+      t.batchSize = m.batch_size;
+      t.kChosen = m.k_chosen;
       t.steps.push({ rate: m.step_tokens_per_s, acceptance: m.drafted > 0 ? m.accepted / m.drafted : null });
       break;
     }
@@ -122,6 +124,10 @@ function onJson(m) {
 export function sendSettings() {
   const spec = $('speculation');
   const msg = { type: 'settings', speculation: spec ? spec.checked : true };
+  const loadAware = $('load-aware');
+  if (loadAware && S.touched.has('load-aware')) msg.load_aware = loadAware.checked;
+  const background = $('background');
+  if (background && S.touched.has('background')) msg.background = Number(background.value);
   const fields = { drafter: 'drafter', k: 'k-policy', temperature: 'temperature' };
   for (const [key, id] of Object.entries(fields)) {
     const el = $(id);
