@@ -174,7 +174,13 @@ def test_speculation_switch_and_typed_input(page):
     page.select_option("#drafter", "ngram")
     page.select_option("#k-policy", "2")
     ngram = typed_turn(page, "One more.", heard=False)
-    assert ngram["data"]["settings"] == {"speculation": True, "drafter": "ngram", "k": "2", "temperature": None}
+    settings = {"speculation": True, "drafter": "ngram", "k": "2", "temperature": None, "load_aware": None}
+    assert ngram["data"]["settings"] == settings
+    page.wait_for_timeout(200)  # the panels of the batch: this tab alone, and the K its last step asked for
+    assert page.inner_text("#batch-size") == "1" and page.inner_text("#k-chosen").isdigit()
+    page.uncheck("#load-aware")
+    own = typed_turn(page, "Last one.", heard=False)
+    assert own["data"]["settings"]["load_aware"] is False
 
 
 def test_ab_run_gives_paired_results(page):
@@ -222,3 +228,21 @@ def test_heard_delay_over_five_turns(page, app):
         assert data["ttfa_ms"] == record["ttfa_ms"] and heard["heard_method"] == report["method"]
         for key in ("heard_delay_ms", "ttfa_heard_ms", "heard_method", "clock_rtt_ms"):
             assert heard[key] == record[key], key
+
+
+def test_load_control_starts_and_stops_background_conversations(page):
+    def slide(n: int) -> None:
+        page.eval_on_selector(
+            "#background", f"el => {{ el.value = {n}; el.dispatchEvent(new Event('change', {{bubbles: true}})); }}"
+        )
+        page.wait_for_function(f"document.querySelector('#background-value').textContent === '{n}'", timeout=10_000)
+        page.wait_for_function(f"specvoice.status && specvoice.status.background === {n}", timeout=10_000)
+
+    slide(2)
+    busy = typed_turn(page, "Hello again.", heard=False)
+    assert busy["data"]["answer"]
+    page.wait_for_timeout(200)
+    assert page.inner_text("#batch-size").isdigit()
+    batches = page.evaluate("specvoice.turns[specvoice.current].steps.map((s) => s.batchSize)")
+    assert max(batches) == 3  # this tab and the two simulated conversations shared forwards
+    slide(0)

@@ -79,7 +79,11 @@ function onJson(m) {
       t.forwards += 1;
       t.batchSize = m.batch_size;
       t.kChosen = m.k_chosen;
-      t.steps.push({ rate: m.step_tokens_per_s, acceptance: m.drafted > 0 ? m.accepted / m.drafted : null });
+      t.steps.push({
+        rate: m.step_tokens_per_s,
+        acceptance: m.drafted > 0 ? m.accepted / m.drafted : null,
+        batchSize: m.batch_size,
+      });
       break;
     }
     case 'done': {
