@@ -177,7 +177,6 @@ def choose_ks(fed: list[int], wanted: list[int], estimates: list[LoadEstimate], 
 class _Running:
     answer: Answer
     session: EngineSession
-    cache: SequenceCache  # session.target, in the engine's runner
     config: GenerationConfig
     cancel: threading.Event | None
     stats: SpecStats
@@ -187,6 +186,12 @@ class _Running:
     steps: int = 0
     drafted: bool = False  # a drafter has run for this answer
     abandoned: bool = False  # its reader stopped reading: leave at the next step
+
+    @property
+    def cache(self) -> SequenceCache:
+        """The session's target KV, in the engine's runner (BatchScheduler.stream checks it is one)."""
+        assert isinstance(self.session.target, SequenceCache)
+        return self.session.target
 
 
 class BatchScheduler:
@@ -203,11 +208,10 @@ class BatchScheduler:
         if engine.runner is None:
             raise ValueError("a BatchScheduler needs an engine built with batched=True")
         self.engine = engine
-        self.target = engine.target
         self.costs = costs
         self._running: list[_Running] = []
         self._joining: list[_Running] = []
-        self._wake = threading.Condition()
+        self._lock = threading.Lock()  # guards _joining and _thread
         self._thread: threading.Thread | None = None
         self._prior = LoadEstimate.geometric(self.ALPHA_PRIOR, decay=0.95)
 
@@ -225,22 +229,20 @@ class BatchScheduler:
         run = _Running(
             self.engine.new_answer(prompt_ids, config, session),  # a bad prompt fails here, in the caller
             session,
-            session.target,
             config,
             cancel,
             stats if stats is not None else SpecStats(),
-            torch.Generator(device=self.target.device).manual_seed(config.seed),
+            torch.Generator(device=self.engine.target.device).manual_seed(config.seed),
             self._prior.copy(decay=0.7),
         )
         return self._read(run)
 
     def _read(self, run: _Running) -> Iterator[StepEvent]:
-        with self._wake:
+        with self._lock:
             self._joining.append(run)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="batch-scheduler", daemon=True)
                 self._thread.start()
-            self._wake.notify()
         try:
             while True:
                 event = run.events.get()
@@ -254,14 +256,15 @@ class BatchScheduler:
 
     @property
     def active(self) -> int:
-        with self._wake:
+        with self._lock:
             return len(self._running) + len(self._joining)
 
     def _loop(self) -> None:
         while True:
-            with self._wake:
-                while not self._running and not self._joining:
-                    self._wake.wait()
+            with self._lock:
+                if not self._running and not self._joining:
+                    self._thread = None  # idle: the next answer starts a new one (no thread left per scheduler)
+                    return
                 self._running += self._joining
                 self._joining = []
             try:

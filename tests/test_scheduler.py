@@ -361,3 +361,16 @@ def test_an_unexpected_failure_ends_the_answers_in_the_step_not_the_scheduler(ti
         collect(scheduler.stream(prompt, GenerationConfig(5)))
     scheduler.costs = None
     assert collect(scheduler.stream(prompt, GenerationConfig(5)))[0] == target_only(target, prompt, 5)
+
+
+def test_the_scheduler_thread_ends_when_idle_and_starts_again(tiny_engine):
+    target, draft = tiny_engine.models
+    scheduler = BatchScheduler(batched_engine(target, draft_factory(draft)))
+    prompt = tiny_prompts(target, 1, seed=21)[0]
+    for _ in range(2):
+        assert collect(scheduler.stream(prompt, GenerationConfig(5)))[0] == target_only(target, prompt, 5)
+        for _ in range(200):  # no idle thread is left behind per scheduler (bench-load makes one per window)
+            if scheduler._thread is None:
+                break
+            threading.Event().wait(0.01)
+        assert scheduler._thread is None
