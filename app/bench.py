@@ -182,7 +182,7 @@ def main(args: argparse.Namespace) -> int:
         **vars(spec),
         "max_new_tokens": n,
         "threads": torch.get_num_threads(),
-        "target_min_feed": target.min_feed,
+        "target_min_feed": engine.runner.min_feed,
         "draft_min_prob": getattr(drafter, "min_prob", None),
     }
     out = {"definitions": DEFINITIONS, "summary": summary, "prompts": results}

@@ -19,11 +19,11 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, replace
 
+from app.stats import spread
 from pipeline.agent import AgentConfig
 from pipeline.options import add_agent_arguments, agent_config_from_args, positive_int
 from specdec.build import TINY_ENGINE
 from specdec.metrics import DEFINITIONS
-from specdec.stats import spread
 
 from .server import AppServer, ServerOptions
 

@@ -90,7 +90,7 @@ def summarize_mode(n: int, mode: str, windows: list[tuple[list[list[StepEvent]],
     seconds = sum(w for _, w in windows)
     per_conversation = [sum(len(ev.tokens) for convs, _ in windows for ev in convs[i]) / seconds for i in range(n)]
     events = [ev for convs, _ in windows for conv in convs for ev in conv]
-    drafted = sum(ev.k_drafted for ev in events)
+    drafted = sum(ev.drafted for ev in events)
     return {
         "concurrency": n,
         "mode": mode,
@@ -100,8 +100,8 @@ def summarize_mode(n: int, mode: str, windows: list[tuple[list[list[StepEvent]],
         "window_s": seconds,
         "tokens": sum(len(ev.tokens) for ev in events),
         "mean_batch_size": statistics.mean(ev.batch_size for ev in events) if events else 0.0,
-        "mean_k_chosen": statistics.mean(ev.k_planned for ev in events) if events else 0.0,
-        "draft_acceptance_rate": sum(ev.n_accepted for ev in events) / drafted if drafted else 0.0,
+        "mean_k_chosen": statistics.mean(ev.k_chosen for ev in events) if events else 0.0,
+        "draft_acceptance_rate": sum(ev.accepted for ev in events) / drafted if drafted else 0.0,
         "drafted": drafted,
         "sequence_steps": len(events),  # one per conversation per target forward it took part in
         "speculative_steps": sum(ev.speculative for ev in events),

@@ -21,17 +21,25 @@ from specdec.engine import GenerationConfig
 from specdec.metrics import DEFINITIONS
 from specdec.models import release_free_memory, resident_bytes
 from specdec.quant import TARGET_QUANTS
+from specdec.runner import BatchRunner
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default=EngineSpec().target)
-    parser.add_argument("--quants", default=",".join(TARGET_QUANTS), help="comma-separated; the first is the reference")
+    parser.add_argument(
+        "--quants",
+        default="none,int8,w8a8-onednn,w8a8-fbgemm,int4",
+        help=f"comma-separated, of {', '.join(TARGET_QUANTS)}; the first is the reference",
+    )
     parser.add_argument("--prompts", default="../shared/prompts/voice_prompts.jsonl")
     parser.add_argument("--limit", type=int, default=12)
     parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--token-counts", default="1,2,5,9", help="tokens per timed forward")
+    parser.add_argument(
+        "--token-counts", default="1,2,5,9,16,32", help="tokens per timed forward (32: a user turn's prefill)"
+    )
     parser.add_argument("--repeats", type=int, default=5, help="timed forwards per point (median)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
+    parser.add_argument("--compile", action="store_true", help="also time the forward with torch.compile (--compile)")
     parser.add_argument("--json", required=True)
 
 
@@ -76,11 +84,22 @@ def main(args: argparse.Namespace) -> int:
         load_s = time.perf_counter() - t0
         if not prompts:
             prompts = [target.tokenizer.chat_ids([{"role": "user", "content": r["prompt"]}]) for r in rows]
-        forward_ms = {
-            n: 1e3
-            * measured_forward_seconds(target.model, target.device, n, repeats=args.repeats, min_feed=target.min_feed)
-            for n in counts
+        # The engine's attention (row by row for a quantized target) and the other one, on the same weights.
+        runners = {engine.runner.exact_rows: engine.runner}
+        runners[not engine.runner.exact_rows] = BatchRunner(target.model, target.device, not engine.runner.exact_rows)
+        by_attention = {
+            "row" if exact else "fused": {
+                n: 1e3 * measured_forward_seconds(runner, n, repeats=args.repeats) for n in counts
+            }
+            for exact, runner in runners.items()
         }
+        forward_ms = by_attention["row" if engine.runner.exact_rows else "fused"]
+        if args.compile:  # the engine's attention, its layers' dense halves compiled (the first calls compile)
+            compiled = BatchRunner(target.model, target.device, engine.runner.exact_rows, compile=True)
+            t0 = time.perf_counter()
+            measured_forward_seconds(compiled, counts[0], repeats=1)
+            compile_s = time.perf_counter() - t0
+            compiled_ms = {n: 1e3 * measured_forward_seconds(compiled, n, repeats=args.repeats) for n in counts}
         run_engine(engine, prompts[0], GenerationConfig(4, speculate=False))  # warm
         answers, rates = [], []
         for prompt in prompts:
@@ -93,10 +112,14 @@ def main(args: argparse.Namespace) -> int:
             "target_quant": quant,
             "load_and_quantize_s": load_s,
             "forward_ms": forward_ms,
+            "attention": "row" if engine.runner.exact_rows else "fused",
+            "forward_ms_by_attention": by_attention,
+            "verify_cost_ratio": {n: forward_ms[n] / forward_ms[counts[0]] for n in counts},
+            **({"forward_ms_compiled": compiled_ms, "compile_s": compile_s} if args.compile else {}),
             "weight_bytes": weight_bytes(target.model),
             "resident_bytes_added": resident_bytes() - rss_before,
             "target_only_tokens_per_s_median": statistics.median(rates),
-            "min_feed": target.min_feed,
+            "min_feed": engine.runner.min_feed,
             "identical_answers": sum(a == r for a, r in zip(answers, reference, strict=True)),
             "answers": len(answers),
             **drift(target.model, prompts, reference),
@@ -114,7 +137,8 @@ def main(args: argparse.Namespace) -> int:
         release_free_memory()
     out = {
         "definitions": {
-            k: DEFINITIONS[k] for k in ("top1_agreement", "mean_logprob", "forward_ms", "target_only_tokens_per_s")
+            k: DEFINITIONS[k]
+            for k in ("top1_agreement", "mean_logprob", "forward_ms", "verify_cost_ratio", "target_only_tokens_per_s")
         },
         "reference": quants[0],
         "config": {**vars(args), "threads": torch.get_num_threads()},

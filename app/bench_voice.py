@@ -8,12 +8,12 @@ import statistics
 import sys
 from pathlib import Path
 
+from app.stats import bootstrap_ci, paired_ratio, spread
 from pipeline.agent import VoiceAgent, ab_order
 from pipeline.audio import load_audio, to_mono_16k
 from pipeline.options import add_agent_arguments, agent_config_from_args
 from pipeline.timeline import STAGES
 from specdec.metrics import DEFINITIONS
-from specdec.stats import bootstrap_ci, paired_ratio, spread
 
 from .say import run_turn
 

@@ -14,6 +14,7 @@ from pipeline.options import add_engine_arguments, spec_from_args
 from specdec.bench import read_prompts, run_engine
 from specdec.build import build_engine
 from specdec.calibrate import measured_forward_seconds
+from specdec.drafters import DraftModelDrafter
 from specdec.engine import GenerationConfig
 from specdec.kpolicy import FixedK
 from specdec.metrics import DEFINITIONS, SpecStats, expected_tokens_per_step
@@ -46,17 +47,13 @@ def main(args: argparse.Namespace) -> int:
     engine.auto_off = False  # measure every K as it is, even where it loses
     device = target.device
     t_start = time.perf_counter()
-    verify = {
-        n: measured_forward_seconds(target.model, device, n, repeats=args.repeats, min_feed=target.min_feed)
-        for n in range(1, 17)
-    }
+    verify = {n: measured_forward_seconds(engine.runner, n, repeats=args.repeats) for n in range(1, 17)}
     fit = statistics.linear_regression(list(verify), list(verify.values()))  # least squares: a + b·tokens
     a, b = fit.intercept, fit.slope
     drafter = engine.drafter_factory()
-    draft_model = getattr(drafter, "model", None)
     draft_s = (
-        measured_forward_seconds(draft_model, device, 1, repeats=args.repeats, min_feed=drafter.cache.min_feed)
-        if draft_model is not None
+        measured_forward_seconds(drafter.cache.runner, 1, repeats=args.repeats)
+        if isinstance(drafter, DraftModelDrafter)
         else 0.0
     )
     c = draft_s / verify[1]

@@ -56,9 +56,9 @@ def main(args: argparse.Namespace) -> int:
             {
                 "step": ev.step,
                 "speculative": ev.speculative,
-                "k_planned": ev.k_planned,
-                "drafted": ev.drafted,
-                "accepted": ev.n_accepted,
+                "k_chosen": ev.k_chosen,
+                "draft_tokens": ev.draft_tokens,
+                "accepted": ev.accepted,
                 "draft_forwards": ev.draft_forwards,
                 "emitted": ev.tokens,
                 "draft_s": ev.draft_seconds,

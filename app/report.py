@@ -19,9 +19,9 @@ from pathlib import Path
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from app.stats import median_or_none, paired_ratio
 from pipeline.timeline import STAGES
 from specdec.metrics import DEFINITIONS
-from specdec.stats import median_or_none, paired_ratio
 
 
 def page_colors() -> dict[str, str]:

@@ -184,7 +184,7 @@ class ModelLoader:
             status.update(
                 batched=self.agent.scheduler is not None,
                 background=background.count if background else 0,
-                drafters=available_drafters(self.agent),
+                drafters=self.agent.engine.switchable_drafters() if self.agent.engine else [],
                 k=self.config.engine.k,
                 temperature=self.config.temperature,
                 engine=self.describe(),
@@ -205,14 +205,6 @@ class ModelLoader:
             "hangover_ms": c.hangover_ms,
             "first_chunk_words": c.first_chunk_words,
         }
-
-
-def available_drafters(agent: VoiceAgent) -> list[str]:
-    """Drafters a conversation may switch to (EngineLLM.configure): none for a remote LLM."""
-    if agent.engine is None:
-        return []
-    own = agent.engine.drafter_kind
-    return ([own] if own in ("draft-model", "heads") else []) + ["ngram"]
 
 
 # ------------------------------------------------------------------------------------------- the app

@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from app.stats import paired_ratio
 from pipeline.agent import Conversation, TurnResult, ab_order
 from pipeline.audio import SAMPLE_RATE, resample
 from pipeline.mic import MicInput
 from pipeline.timeline import Timeline
 from specdec.engine import DRAFTER_KINDS
-from specdec.stats import paired_ratio
 
 from . import report
 from .protocol import DEFAULT_PLAYBACK_RATE, FLAG_REPLAY, ClockSync, decode_mic_frame, pack_audio

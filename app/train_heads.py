@@ -24,8 +24,9 @@ from pipeline.llm import SYSTEM_PROMPT
 from pipeline.options import positive_int
 from specdec.bench import read_prompts
 from specdec.build import DTYPES, EngineSpec, quantize_target
-from specdec.heads import HEAD_KINDS, default_heads_path, save_heads
 from specdec.heads_data import load_shards, make_dataset, make_text_dataset, shipped_text
+from specdec.heads_file import default_heads_path, save_heads
+from specdec.heads_model import HEAD_KINDS
 from specdec.heads_train import TrainConfig, fit_heads, fmt, fmt_accs, simulated_acceptance
 from specdec.models import asset_path, cache_dir, load_model, log
 from specdec.quant import TARGET_QUANTS
@@ -98,7 +99,7 @@ def main(args: argparse.Namespace) -> int:
     target = load_model(args.target, DTYPES[args.dtype])
     # Float LM head rows for the heads, taken before quantization (load_heads does the same at run time).
     lm_weight = target.model.get_output_embeddings().weight.detach().clone()
-    quantize_target(target, args.target_quant, row_attention=False)
+    quantize_target(target, args.target_quant)
 
     with tqdm(total=1, desc="answering", unit="batch", file=sys.stderr) as bar:
         prompts = training_prompts(target.tokenizer, rows)

@@ -184,7 +184,7 @@ class VoiceAgent:
         self.background: BackgroundLoad | None = None
         if llm is None:
             self.engine, _ = build_engine(config.engine)
-            if self.engine.runner is not None:  # load-aware once warmup has measured the forward costs
+            if config.engine.batched:  # load-aware once warmup has measured the forward costs
                 self.scheduler = BatchScheduler(self.engine)
         self._shared_llm = llm
         self.transcriber = transcriber or make_transcriber(config)

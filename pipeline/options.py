@@ -42,13 +42,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.target_quant,
         choices=list(TARGET_QUANTS),
         help="the target's Linear weights: none (--dtype), int8 or int4 weight-only, w8a8 (int8 weights and "
-        "per-token int8 activations); all CPU, all keep speculation lossless against that target",
+        "per-token int8 activations, on oneDNN where the CPU has AMX, else fbgemm; w8a8-onednn / w8a8-fbgemm pick "
+        "one); all CPU, all keep speculation lossless against that target",
     )
     parser.add_argument(
         "--draft-quant",
         default=d.draft_quant,
         choices=["int8", "none"],
-        help="int8: dynamic int8 Linear layers for the draft (CPU)",
+        help="int8: the target's w8a8 Linear layers for the draft model and the heads (CPU)",
     )
     parser.add_argument(
         "--draft-vocab",
@@ -75,6 +76,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.draft_min_prob,
         help="stop drafting where the draft's top token has a lower probability (0: always K; "
         "default: the draft preset's measured value, 0.35 for qwen-0.5b)",
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the target's dense layer halves (off by default: not faster on this CPU, docs/results.md)",
     )
     parser.add_argument(
         "--no-auto-off",
@@ -104,6 +110,7 @@ def spec_from_args(args: argparse.Namespace) -> EngineSpec:
         load_aware=args.load_aware,
         draft_min_prob=args.draft_min_prob,
         auto_off=args.auto_off,
+        compile=args.compile,
     )
 
 

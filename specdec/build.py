@@ -10,9 +10,9 @@ import torch
 
 from .drafters import Drafter, DraftModelDrafter, NGramDrafter, restrict_vocab
 from .engine import SpeculativeEngine
-from .heads import HEADS_MIN_PROB, HeadsDrafter, default_heads_path, load_heads
+from .heads_drafter import HEADS_MIN_PROB, HeadsDrafter
+from .heads_file import default_heads_path, load_heads
 from .kpolicy import AdaptiveK, FixedK, KPolicy
-from .kv import fastest_min_feed
 from .models import (
     PRESETS,
     LoadedModel,
@@ -20,11 +20,11 @@ from .models import (
     estimate_pair_bytes,
     load_model,
     log,
-    quantize_int8,
     release_free_memory,
     resident_bytes,
 )
-from .quant import CALIBRATION_TEXT, Int8RowLinear, quantize_linears, replace_linears, use_row_attention
+from .quant import CALIBRATION_TEXT, quantize_linears, replace_linears, w8a8_layer
+from .runner import BatchRunner, fastest_min_feed
 
 
 class IncompatibleDraftError(ValueError):
@@ -53,10 +53,11 @@ class EngineSpec:
     draft_quant: str = "int8"  # "int8" (dynamic quantization of Linear layers, CPU) or "none"
     draft_vocab: int = 0  # draft LM head over the first N token ids; 0 keeps the whole vocabulary
     disable_by_batch_size: int | None = None  # vLLM's --speculative-disable-by-batch-size
-    batched: bool = False  # target KV in a BatchRunner, for a BatchScheduler (the app; bench-load)
+    batched: bool = False  # answers go through a BatchScheduler, batched with each other (the app; bench-load)
     load_aware: bool = True  # a batch's K chosen from measured forward costs and acceptance (specdec/scheduler.py)
     draft_min_prob: float | None = None  # stop drafting below this top-token probability; None: the preset's
     auto_off: bool = True  # the governor may switch speculation off where it measures it slower
+    compile: bool = False  # torch.compile the target's dense layer halves (BatchRunner); measured, not faster here
 
 
 # The tiny random pair (float32, whole draft, no int8): instant to load, gibberish answers. For tests and for
@@ -104,30 +105,26 @@ def prepare_draft_model(draft: LoadedModel, spec: EngineSpec, target: LoadedMode
     if spec.draft_quant == "int8":
         if draft.device.type != "cpu":
             raise ValueError("--draft-quant int8 is a CPU lever; use --draft-quant none on CUDA")
-        model = quantize_int8(model)
+        quantize_linears(model, "w8a8")  # the target's w8a8 layers, without its smoothing
     elif spec.draft_quant != "none":
         raise ValueError(f"--draft-quant must be int8 or none, got {spec.draft_quant!r}")
-    # Dynamic int8 scales activations per tensor, so a padded row would move the real row's logits (by up to
-    # 0.4): feed it exactly, which is also its fastest width here (30 ms at one token, 32 at two).
-    min_feed = 1 if spec.draft_quant == "int8" else fastest_min_feed(model, draft.device)
+    runner = BatchRunner(model, draft.device)
+    runner.min_feed = fastest_min_feed(runner)
     min_prob = spec.draft_min_prob
     if min_prob is None:
         preset = PRESETS.get(draft.name)
         min_prob = preset.draft_min_prob if preset else 0.0
-    return lambda: DraftModelDrafter(model, draft.device, keep_ids, full_vocab, min_feed, min_prob)
+    return lambda: DraftModelDrafter(runner, keep_ids, full_vocab, min_prob)
 
 
-def quantize_target(target: LoadedModel, quant: str, row_attention: bool = True) -> None:
-    """The target's Linear layers in `quant` (specdec/quant.py), in place. row_attention: as a lossless verifier
-    needs it; off for batched, padded generation (heads training data), which row attention cannot take."""
+def quantize_target(target: LoadedModel, quant: str) -> None:
+    """The target's Linear layers in `quant` (specdec/quant.py), in place."""
     if quant == "none":
         return
     if target.device.type != "cpu":
         raise ValueError("--target-quant is a CPU lever; use --target-quant none on CUDA")
     calibration = torch.tensor([target.tokenizer.encode(CALIBRATION_TEXT)], device=target.device)
     quantize_linears(target.model, quant, calibration)
-    if row_attention:
-        use_row_attention(target.model)
     target.dtype = torch.float32  # what the unquantized rest computes in now
 
 
@@ -136,7 +133,7 @@ def heads_drafter_factory(spec: EngineSpec, target: LoadedModel, path: Path) -> 
     with --draft-quant int8 (the same row-wise w8a8 layers as the target's)."""
     heads = load_heads(path, target.model, spec.target).to(target.device)
     if spec.draft_quant == "int8" and target.device.type == "cpu":
-        replace_linears(heads, Int8RowLinear)
+        replace_linears(heads, w8a8_layer())
     min_prob = spec.draft_min_prob if spec.draft_min_prob is not None else HEADS_MIN_PROB
     log(f"draft heads: {heads.cfg.kind}, {len(heads.vocab_ids)}-token vocabulary, {spec.draft_quant}, from {path}")
     return lambda: HeadsDrafter(heads, min_prob)
@@ -170,7 +167,7 @@ def build_engines(
     models = [d for d in drafts if d not in NOT_MODELS and d not in heads]
     check_memory(estimate_pair_bytes([spec.target, *models], dtype), torch.device(spec.device))
     target = load_model(spec.target, dtype, spec.device)
-    factories: dict[str, Callable[[], Drafter] | None] = {"none": None, "ngram": NGramDrafter}
+    factories: dict[str, Callable[[], Drafter] | None] = {"none": None, "ngram": lambda: NGramDrafter(target.device)}
     added = {"none": 0, "ngram": 0}
 
     def make(name: str, build: Callable[[], Callable[[], Drafter]]) -> None:
@@ -197,14 +194,14 @@ def build_engines(
         make(name, load_draft)
     # The target's first forward comes after the draft is ready: its memory-mapped weights are paged in only then,
     # so the draft's load-time temporaries never add to them (the app's peak RSS was 6.7 GiB, now its steady 5.0).
-    target.min_feed = fastest_min_feed(target.model, target.device)
-    if target.min_feed > 1:
+    # A quantized target's rows must not depend on each other (lossless verification): row-by-row attention.
+    runner = BatchRunner(target.model, target.device, exact_rows=spec.target_quant != "none", compile=spec.compile)
+    runner.min_feed = fastest_min_feed(runner)
+    if runner.min_feed > 1:
         log(f"{target.name}: one-token steps are fed as two (a one-row matmul is slower here)")
     k_policy = k_policy_factory(spec.k, spec.k_min, spec.k_max)
     engines = {
-        name: SpeculativeEngine(
-            target, factories[name], k_policy, spec.disable_by_batch_size, spec.auto_off, batched=spec.batched
-        )
+        name: SpeculativeEngine(target, runner, factories[name], k_policy, spec.disable_by_batch_size, spec.auto_off)
         for name in drafts
     }
     return engines, target, {name: added[name] for name in drafts}

@@ -1,34 +1,24 @@
-"""Forward costs as `specvoice calibrate` (app/calibrate.py) measures them."""
+"""Forward costs as `specvoice calibrate` (app/calibrate.py) measures them: through the runner the engine uses."""
 
 from __future__ import annotations
 
-import statistics
-import time
-from typing import TYPE_CHECKING
-
 import torch
 
-from .kv import PrefixCache, sync
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedModel
+from .runner import BatchRunner
+from .timing import median_seconds
 
 
 @torch.inference_mode()
-def measured_forward_seconds(
-    model: PreTrainedModel, device: torch.device, n_tokens: int, context: int = 64, repeats: int = 5, min_feed: int = 1
-) -> float:
-    """Median seconds of one forward that feeds n_tokens on top of a cached context, as the engine feeds it."""
-    cache = PrefixCache(model, device, min_feed)
-    vocab = model.config.vocab_size
+def measured_forward_seconds(runner: BatchRunner, n_tokens: int, context: int = 64, repeats: int = 5) -> float:
+    """Median seconds of one forward that feeds n_tokens on top of a cached context, as the engine feeds them."""
+    cache = runner.new_cache()
+    vocab = runner.model.config.vocab_size
     ids = [(1000 + i) % vocab for i in range(context)]  # any ids do: cost does not depend on them
     cache.extend(ids)
-    times = []
-    for r in range(repeats + 1):
-        sync(device)
-        t0 = time.perf_counter()
-        cache.extend(ids + [(2000 + r + i) % vocab for i in range(n_tokens)], n_logits=n_tokens)
-        sync(device)
-        times.append(time.perf_counter() - t0)
+    new = [(2000 + i) % vocab for i in range(n_tokens)]
+
+    def forward() -> None:
+        cache.extend(ids + new, n_logits=n_tokens)
         cache.rollback(context)
-    return statistics.median(times[1:])  # the first run pays one-off kernel selection
+
+    return median_seconds(forward, runner.device, repeats)  # the warm-up pays one-off kernel selection

@@ -1,4 +1,8 @@
-"""Drafters: propose K tokens, then learn what the target accepted. Verification lives elsewhere."""
+"""Drafters: propose K tokens, then observe what the target made of them. Verification lives in the engine.
+
+A proposal stays on the device: its tokens, and how many of them pass the drafter's confidence gate, are tensors
+that the engine reads back once per step, with the target's verdict.
+"""
 
 from __future__ import annotations
 
@@ -7,18 +11,29 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from .kv import PrefixCache
+from .kv import PENDING
+from .runner import BatchRunner
 from .sampling import SamplingParams, logits_to_probs, sample
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+    from .engine import StepEvent
+    from .kv import SequenceCache
+
 
 @dataclass
 class Proposal:
-    tokens: list[int]
+    tokens: torch.Tensor  # (K,) drafts, on the device; the target verifies all K rows
+    proposed: torch.Tensor  # 0-d: how many of them count (the confidence gate stops at the first unsure one)
     probs: torch.Tensor | None  # (K, V) draft distribution q, or None when the drafter is deterministic
-    forwards: int  # draft model forward passes spent (0 for n-gram)
+    forwards: int  # draft forward passes spent (0 for n-gram)
+
+    @classmethod
+    def of(cls, tokens: list[int], device: torch.device) -> Proposal:
+        """A deterministic proposal made on the host (n-gram, or nothing)."""
+        ids = torch.tensor(tokens, dtype=torch.long, device=device)
+        return cls(ids, torch.tensor(len(tokens), device=device), None, 0)
 
 
 class Drafter(Protocol):
@@ -38,9 +53,39 @@ class Drafter(Protocol):
     def rollback(self, length: int) -> None:
         """Forget state past the first `length` tokens of the conversation."""
 
-    def observe(self, tokens: list[int], start: int, hidden: torch.Tensor) -> None:
-        """After each target forward (for a drafter that reads_target_hidden): the target now holds `tokens`, the
-        verified conversation, and `hidden` are its last hidden states at positions start … len(tokens) − 1."""
+    def observe(self, event: StepEvent, target: SequenceCache) -> None:
+        """After each target forward: what the step emitted, and the target's cache (its `tokens` and, for a drafter
+        that reads_target_hidden, its last hidden states `hidden` at positions hidden_start …)."""
+
+
+def confident_count(top_probs: torch.Tensor, min_prob: float) -> torch.Tensor:
+    """The confidence gate, on the device: how many leading positions have a top draft probability ≥ min_prob.
+    Lossless: it depends on the draft alone, and the target still verifies what is proposed."""
+    return (top_probs >= min_prob).long().cumprod(0).sum()
+
+
+def full_vocab_logits(sub_logits: torch.Tensor, keep_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Logits over the whole vocabulary from a head over keep_ids only: −inf elsewhere (never drafted)."""
+    full = sub_logits.new_full((*sub_logits.shape[:-1], vocab_size), float("-inf"))
+    return full.index_copy_(-1, keep_ids, sub_logits)
+
+
+def choose_drafts(
+    sub_logits: torch.Tensor,
+    keep_ids: torch.Tensor | None,
+    vocab_size: int,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Draft tokens (full ids), their top probabilities (for the gate) and, when sampling, q, from logits (K, V')
+    over keep_ids (None: the whole vocabulary)."""
+    if params.greedy:
+        top, local = torch.softmax(sub_logits.float(), -1).max(-1)
+        return (local if keep_ids is None else keep_ids[local]), top, None
+    full = sub_logits if keep_ids is None else full_vocab_logits(sub_logits, keep_ids, vocab_size)
+    q = logits_to_probs(full, params)
+    tokens = torch.stack([sample(row, generator) for row in q])
+    return tokens, q.max(-1).values, q
 
 
 def restrict_vocab(model: PreTrainedModel, keep_ids: torch.Tensor) -> int:
@@ -63,64 +108,43 @@ def restrict_vocab(model: PreTrainedModel, keep_ids: torch.Tensor) -> int:
 
 
 class DraftModelDrafter:
-    """A small causal LM with the target's vocabulary, decoding K tokens with its own KV cache.
+    """A small causal LM with the target's vocabulary, decoding K tokens on its own KV cache (in its own runner),
+    each draft fed back to it on the device.
 
     keep_ids: when the model's head was cut down by restrict_vocab, the full ids of its output rows.
-    min_prob: stop drafting at the first position where the draft's most likely token has a lower probability
-    (possibly proposing nothing). The draft is well calibrated (its top token matched the target's about as often
-    as its probability said), so an unlikely draft costs a forward and a verify slot for little. Lossless: the
-    stop depends on the draft alone, and the target still verifies what is proposed.
+    min_prob: the confidence gate (confident_count): the draft is well calibrated (its top token matched the
+    target's about as often as its probability said), so an unsure draft is rarely worth a verify slot.
     """
 
     def __init__(
-        self,
-        model: torch.nn.Module,
-        device: torch.device,
-        keep_ids: torch.Tensor | None = None,
-        full_vocab: int = 0,
-        min_feed: int = 1,
-        min_prob: float = 0.0,
+        self, runner: BatchRunner, keep_ids: torch.Tensor | None = None, full_vocab: int = 0, min_prob: float = 0.0
     ) -> None:
         self.kind = "draft-model"
         self.reads_target_hidden = False
-        self.model = model
-        self.cache = PrefixCache(model, device, min_feed)
+        self.cache = runner.new_cache()
         self.keep_ids = keep_ids
-        self.full_vocab = full_vocab
+        self.vocab_size = full_vocab or runner.model.config.vocab_size
         self.min_prob = min_prob
-
-    def _to_full(self, logits: torch.Tensor) -> torch.Tensor:
-        if self.keep_ids is None:
-            return logits
-        full = logits.new_full((*logits.shape[:-1], self.full_vocab), float("-inf"))
-        return full.index_copy_(-1, self.keep_ids, logits)
+        self._context = 0  # the context length of the last proposal: its drafts follow it in the cache, PENDING
 
     @torch.inference_mode()
     def propose(
         self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
     ) -> Proposal:
+        self._context = len(context)
         logits = self.cache.extend(context)
-        forwards = 1
-        tokens: list[int] = []
-        probs = []
+        drafts, tops, probs = [], [], []
         for i in range(k):
-            row = logits[-1]
-            if params.greedy:
-                top_p, local = torch.softmax(row.float(), -1).max(-1)
-                if float(top_p) < self.min_prob:
-                    break
-                tok = int(self.keep_ids[local]) if self.keep_ids is not None else int(local)
-            else:
-                q = logits_to_probs(self._to_full(row), params)
-                if float(q.max()) < self.min_prob:
-                    break
-                tok = sample(q, generator)
+            token, top, q = choose_drafts(logits, self.keep_ids, self.vocab_size, params, generator)
+            drafts.append(token)
+            tops.append(top)
+            if q is not None:
                 probs.append(q)
-            tokens.append(tok)
-            if i + 1 < k:  # the last draft token needs no forward of its own
-                logits = self.cache.extend(context + tokens)
-                forwards += 1
-        return Proposal(tokens, torch.stack(probs) if probs else None, forwards)
+            if i + 1 < k:  # the last draft needs no forward of its own
+                logits = self.cache.extend(context + [PENDING] * i, drafts=token)
+        tokens = torch.cat(drafts)
+        proposed = confident_count(torch.cat(tops), self.min_prob)
+        return Proposal(tokens, proposed, torch.cat(probs) if probs else None, max(1, k))
 
     def prefill(self, ids: list[int]) -> None:
         self.cache.extend(ids)
@@ -128,24 +152,27 @@ class DraftModelDrafter:
     def rollback(self, length: int) -> None:
         self.cache.rollback(length)
 
-    def observe(self, tokens: list[int], start: int, hidden: torch.Tensor) -> None:
-        pass  # it reads its own model's states
+    def observe(self, event: StepEvent, target: SequenceCache) -> None:
+        """The accepted drafts, now read back, replace their PENDING positions; the rest of the drafts go."""
+        keep = min(len(self.cache.tokens), self._context + event.accepted)
+        self.cache.settle(self.cache.tokens[: self._context] + event.draft_tokens[: keep - self._context])
 
 
 class NGramDrafter:
     """Prompt lookup: find the latest earlier occurrence of the context's last n tokens and propose
     what followed it. Costs no model forward; strong on structured or repeated text."""
 
-    def __init__(self, max_ngram: int = 4, min_ngram: int = 1) -> None:
+    def __init__(self, device: torch.device | None = None, max_ngram: int = 4, min_ngram: int = 1) -> None:
         self.kind = "ngram"
         self.reads_target_hidden = False
+        self.device = device or torch.device("cpu")
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
 
     def propose(
         self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
     ) -> Proposal:
-        return Proposal(ngram_lookup(context, k, self.max_ngram, self.min_ngram), None, forwards=0)
+        return Proposal.of(ngram_lookup(context, k, self.max_ngram, self.min_ngram), self.device)
 
     def prefill(self, ids: list[int]) -> None:
         pass  # it reads the context it is given; nothing to keep
@@ -153,7 +180,7 @@ class NGramDrafter:
     def rollback(self, length: int) -> None:
         pass
 
-    def observe(self, tokens: list[int], start: int, hidden: torch.Tensor) -> None:
+    def observe(self, event: StepEvent, target: SequenceCache) -> None:
         pass
 
 

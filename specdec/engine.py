@@ -1,10 +1,10 @@
-"""The speculative decoding loop: draft K tokens, verify them in one target forward, stream the result."""
+"""The speculative step, for one answer or a batch: plan K → draft → one verifying forward → accept → roll back →
+observe. `SpeculativeEngine.step` is the whole algorithm; `stream` loops it for one answer, and the BatchScheduler
+for many. Acceptance runs on the device and the step's results are read back once."""
 
 from __future__ import annotations
 
-import itertools
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -12,13 +12,12 @@ import torch
 
 from .drafters import Drafter, NGramDrafter, Proposal
 from .kpolicy import KPolicy, SpeculationGovernor
-from .kv import PrefixCache
+from .kv import SequenceCache
 from .metrics import SpecStats
 from .models import LoadedModel
-from .runner import BatchRunner, SequenceCache
-from .sampling import SamplingParams, accept_greedy, accept_sampled, logits_to_probs, sample
-
-TargetCache = PrefixCache | SequenceCache  # a session's target KV: alone, or in a BatchRunner
+from .runner import BatchRunner, Feed
+from .sampling import SamplingParams, greedy_verdict, logits_to_probs, sampled_verdict
+from .timing import clock
 
 
 class PromptError(ValueError):
@@ -37,15 +36,16 @@ class GenerationConfig:
 
 @dataclass(kw_only=True)
 class StepEvent:
-    """One target forward pass and what it emitted."""
+    """One target forward pass and what it emitted. Every learner (SpecStats, KPolicy, SpeculationGovernor, the
+    scheduler's LoadEstimate, the drafter) observes this one record, and its names are the wire's."""
 
     step: int
     tokens: list[int]  # emitted this step: accepted drafts, then the target's own token
     from_draft: list[bool]  # per emitted token: True if it was an accepted draft
     speculative: bool = False  # a drafter ran before this forward (it may have proposed nothing)
-    k_planned: int = 0  # drafts asked for (0: a plain target step)
-    drafted: list[int] = field(default_factory=list)  # drafts proposed
-    n_accepted: int = 0  # of those, accepted (counted up to the answer's end)
+    k_chosen: int = 0  # metrics.DEFINITIONS["k_chosen"]: drafts asked for (0: a plain target step)
+    draft_tokens: list[int] = field(default_factory=list)  # proposed (past the gate; none past the answer's end)
+    accepted: int = 0  # of those, accepted
     draft_forwards: int = 0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
@@ -54,20 +54,21 @@ class StepEvent:
     batch_size: int = 1  # sequences that shared this target forward (continuous batching)
 
     @property
-    def k_drafted(self) -> int:
-        return len(self.drafted)
+    def drafted(self) -> int:
+        """Draft tokens proposed this step."""
+        return len(self.draft_tokens)
 
 
 DRAFTER_KINDS = ("draft-model", "heads", "ngram")  # what a conversation may switch to (the engine's own or n-gram)
 
 
 class EngineSession:
-    """KV caches kept across answers of one conversation: each answer then prefills only what is new
-    (the caches crop themselves to the common prefix). Not for concurrent use."""
+    """The KV caches kept across answers of one conversation: each answer then prefills only what is new (the
+    caches crop themselves to the common prefix). Not for concurrent use."""
 
     def __init__(self, engine: SpeculativeEngine) -> None:
         self.engine = engine
-        self.target = engine.new_target_cache()
+        self.target = engine.runner.new_cache()
         self.drafter: Drafter | None = None
         self._set_drafter(engine.drafter_factory() if engine.drafter_factory else None)
 
@@ -83,7 +84,7 @@ class EngineSession:
         if kind not in DRAFTER_KINDS:
             raise ValueError(f"drafter must be one of {', '.join(DRAFTER_KINDS)}, got {kind!r}")
         if kind == "ngram":
-            self._set_drafter(NGramDrafter())
+            self._set_drafter(NGramDrafter(self.engine.target.device))
             return
         factory = self.engine.drafter_factory
         if self.engine.drafter_kind != kind or factory is None:  # the engine's own kind implies its factory
@@ -92,18 +93,13 @@ class EngineSession:
             raise ValueError(f"no {hint[kind]}")
         self._set_drafter(factory())
 
-    def observer(self) -> Drafter | None:
-        """The drafter to hand the target's hidden states to, if it reads them."""
-        return self.drafter if self.target.keep_hidden else None
-
     def prefill(self, ids: list[int]) -> None:
         """Warm both caches on a prefix that every answer shares (the system prompt)."""
         self.target.extend(ids)
         if self.drafter is not None:
             self.drafter.prefill(ids)
-        observer = self.observer()
-        if observer is not None:
-            observe_target(observer, self.target)
+            if self.target.keep_hidden:
+                self.drafter.observe(StepEvent(step=0, tokens=[], from_draft=[]), self.target)
 
     def rollback(self, length: int) -> None:
         self.target.rollback(length)
@@ -112,45 +108,47 @@ class EngineSession:
 
 
 @dataclass
-class Draft:
-    """What a step drafted, before the target forward that verifies it."""
-
-    k_planned: int
-    note: str
-    proposal: Proposal | None
-    seconds: float
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.proposal.tokens if self.proposal else []
-
-
-@dataclass
 class Answer:
-    """What one answer carries from step to step."""
+    """One answer in progress: everything a step needs of it, and what learns from its steps."""
 
     ctx: list[int]
     budget: int  # tokens this answer may still add, context room included
     length_limited: bool  # the budget is max_new_tokens (else the context ran out first)
-    drafter: Drafter | None
+    session: EngineSession
+    params: SamplingParams
+    gen: torch.Generator  # its own, so a batched answer draws what it would draw alone
     policy: KPolicy
-    governor: SpeculationGovernor = field(default_factory=SpeculationGovernor)
-    produced: int = 0
+    stats: SpecStats = field(default_factory=SpecStats)
+    cancel: threading.Event | None = None
+    drafter: Drafter | None = None  # None: target-only (speculation off, switched off, or the drafter failed)
     observer: Drafter | None = None  # reads the target's hidden states after every forward, drafting or not
+    governor: SpeculationGovernor = field(default_factory=SpeculationGovernor)
+    load_aware: bool = True
+    produced: int = 0
+    steps: int = 0
+
+    @property
+    def cache(self) -> SequenceCache:
+        return self.session.target
+
+    @property
+    def cancelled(self) -> bool:
+        return self.cancel is not None and self.cancel.is_set()
 
 
-def observe_target(drafter: Drafter, target: TargetCache) -> None:
-    """Hand the drafter the target's hidden states of the positions its last forward fed and kept."""
-    assert target.hidden is not None, "keep_hidden was off for that forward"
-    kept = len(target.tokens) - target.hidden_start
-    drafter.observe(list(target.tokens), target.hidden_start, target.hidden[:kept])
+@dataclass
+class _Draft:
+    k_chosen: int
+    note: str
+    proposal: Proposal | None
+    seconds: float
 
 
 class SpeculativeEngine:
     """Streams tokens from `target`, speculating with drafters made by `drafter_factory`.
 
-    Reproducibility: sampling draws come from one generator seeded by GenerationConfig.seed, in step order. The same
-    seed gives the same answer whenever the K schedule is the same: a fixed K with auto_off False, and no
+    Reproducibility: sampling draws come from the answer's generator seeded by GenerationConfig.seed, in step order.
+    The same seed gives the same answer whenever the K schedule is the same: a fixed K with auto_off False, and no
     pause by batch size and no load-aware K. AdaptiveK picks K from measured draft and verify times, the governor
     switches speculation off by measured time, and the pause and the load-aware K depend on load; each changes which
     positions are drafts, so with them a seed can give another answer, drawn from the same target distribution.
@@ -160,39 +158,51 @@ class SpeculativeEngine:
     def __init__(
         self,
         target: LoadedModel,
+        runner: BatchRunner,
         drafter_factory: Callable[[], Drafter] | None,
         k_policy_factory: Callable[[], KPolicy],
         disable_by_batch_size: int | None = None,
         auto_off: bool = True,
-        batched: bool = False,
     ) -> None:
         self.target = target
+        self.runner = runner  # the target's forward, one sequence or many
         self.drafter_factory = drafter_factory
         self.drafter_kind = drafter_factory().kind if drafter_factory else None
         self.k_policy_factory = k_policy_factory
         # vLLM's --speculative-disable-by-batch-size: no drafts in a step while more sequences than this are running
         self.disable_by_batch_size = disable_by_batch_size
         self.auto_off = auto_off  # let the governor switch speculation off when it measures it slower
-        # batched: sessions keep their target KV in a BatchRunner, so a BatchScheduler can batch their steps
-        self.runner = BatchRunner(target.model, target.device) if batched else None
-        self._active = 0
-        self._lock = threading.Lock()
 
-    def new_target_cache(self) -> TargetCache:
-        if self.runner is not None:
-            return self.runner.new_cache()
-        return PrefixCache(self.target.model, self.target.device, self.target.min_feed)
+    def switchable_drafters(self) -> list[str]:
+        """The DRAFTER_KINDS a conversation may switch to (EngineSession.use_drafter): the engine's own, and n-gram."""
+        own = [self.drafter_kind] if self.drafter_kind in DRAFTER_KINDS else []
+        return [k for k in DRAFTER_KINDS if k in own or k == "ngram"]
 
-    def new_answer(self, prompt_ids: list[int], config: GenerationConfig, session: EngineSession) -> Answer:
+    def new_answer(
+        self,
+        prompt_ids: list[int],
+        config: GenerationConfig,
+        session: EngineSession | None = None,
+        cancel: threading.Event | None = None,
+        stats: SpecStats | None = None,
+    ) -> Answer:
         self.check_prompt(prompt_ids, config.max_new_tokens)
+        session = session or EngineSession(self)
         room = self.target.max_context - len(prompt_ids)
+        drafter = session.drafter
         return Answer(
             list(prompt_ids),
             min(config.max_new_tokens, room),
             config.max_new_tokens <= room,
-            session.drafter if config.speculate else None,
+            session,
+            config.sampling,
+            torch.Generator(device=self.target.device).manual_seed(config.seed),
             (config.k_policy or self.k_policy_factory)(),
-            observer=session.observer(),
+            stats if stats is not None else SpecStats(),
+            cancel,
+            drafter if config.speculate else None,
+            drafter if session.target.keep_hidden else None,
+            load_aware=config.load_aware,
         )
 
     def check_prompt(self, prompt_ids: list[int], max_new_tokens: int = 1) -> None:
@@ -215,27 +225,63 @@ class SpeculativeEngine:
         stats: SpecStats | None = None,
         session: EngineSession | None = None,
     ) -> Iterator[StepEvent]:
-        session = session or EngineSession(self)
-        answer = self.new_answer(prompt_ids, config, session)
-        gen = torch.Generator(device=self.target.device).manual_seed(config.seed)
-        stats = stats if stats is not None else SpecStats()
-        with self._lock:
-            self._active += 1
-        try:
-            for n in itertools.count(1):
-                if cancel is not None and cancel.is_set():  # checked before spending a forward pass
-                    yield StepEvent(step=n, tokens=[], from_draft=[], finish_reason="cancelled")
-                    return
-                draft = self.draft(answer, config.sampling, gen, self._active)
-                t0 = time.perf_counter()
-                logits = session.target.extend(answer.ctx + draft.tokens, n_logits=len(draft.tokens) + 1)
-                event = self.conclude(n, answer, session.target, draft, logits, config.sampling, gen, stats, t0)
-                yield event
-                if event.finish_reason:
-                    return
-        finally:
-            with self._lock:
-                self._active -= 1
+        """One answer, step by step."""
+        answer = self.new_answer(prompt_ids, config, session, cancel, stats)
+        while True:
+            (event,) = self.step([answer])
+            yield event
+            if event.finish_reason:
+                return
+
+    def step(self, answers: list[Answer], k_caps: list[int | None] | None = None) -> list[StepEvent]:
+        """One step of every answer, all verified in one target forward. k_caps: a load-aware scheduler's K per
+        answer (None: the answer's own K policy and governor decide). A cancelled answer gets its last event
+        without a forward; a failing forward raises (every answer in it fails; their caches were reset)."""
+        caps = k_caps or [None] * len(answers)
+        events: list[StepEvent | None] = [None] * len(answers)
+        live = []
+        for i, (answer, cap) in enumerate(zip(answers, caps)):
+            answer.steps += 1
+            if answer.cancelled:  # checked before spending a forward on it
+                events[i] = StepEvent(step=answer.steps, tokens=[], from_draft=[], finish_reason="cancelled")
+            else:
+                live.append((i, answer, cap))
+        if live:
+            self._verify(live, events)
+        assert all(e is not None for e in events)
+        return events  # type: ignore[return-value]
+
+    def _verify(self, live: list[tuple[int, Answer, int | None]], events: list[StepEvent | None]) -> None:
+        drafts = [self._draft(answer, len(live), cap) for _, answer, cap in live]
+        feeds = [Feed(a.cache, a.ctx, self._n_rows(d), self._draft_tokens(d)) for (_, a, _), d in zip(live, drafts)]
+        t0 = clock(self.target.device)
+        logits = self.runner.extend(feeds)
+        verdicts = [self._verdict(lg, a, d) for lg, (_, a, _), d in zip(logits, live, drafts)]
+        values = torch.cat(verdicts).tolist()  # the step's one read from the device
+        verify_s = clock(self.target.device) - t0
+        at = 0
+        for (i, answer, _), draft, verdict in zip(live, drafts, verdicts):
+            n_acc, nxt, proposed, *drafted = values[at : at + len(verdict)]
+            at += len(verdict)
+            events[i] = self._conclude(answer, draft, n_acc, nxt, drafted[:proposed], verify_s, len(live))
+
+    @staticmethod
+    def _n_rows(draft: _Draft) -> int:
+        return 1 + (len(draft.proposal.tokens) if draft.proposal else 0)
+
+    @staticmethod
+    def _draft_tokens(draft: _Draft) -> torch.Tensor | None:
+        return draft.proposal.tokens if draft.proposal and len(draft.proposal.tokens) else None
+
+    def _verdict(self, logits: torch.Tensor, answer: Answer, draft: _Draft) -> torch.Tensor:
+        """(n_accepted, next token, drafts that count, the drafts …) on the device."""
+        p = draft.proposal or Proposal.of([], logits.device)
+        if answer.params.greedy:
+            verdict = greedy_verdict(p.tokens, p.proposed, logits)
+        else:
+            probs = logits_to_probs(logits, answer.params)
+            verdict = sampled_verdict(p.tokens, p.proposed, probs, p.probs, answer.gen)
+        return torch.cat([verdict, p.proposed.view(1), p.tokens])
 
     def _plan_k(self, answer: Answer, running: int, k_cap: int | None) -> tuple[int, str]:
         """Drafts to ask for this step (0: a plain target step), and why speculation changed state, if it did.
@@ -261,80 +307,61 @@ class SpeculativeEngine:
             return 0
         return max(0, min(answer.policy.next_k(), answer.budget - answer.produced - 1))
 
-    def draft(
-        self, answer: Answer, params: SamplingParams, gen: torch.Generator, running: int, k_cap: int | None = None
-    ) -> Draft:
-        """The first half of a step: plan K and let the drafter propose (the target forward comes next)."""
-        k_planned, note = self._plan_k(answer, running, k_cap)
-        t0 = time.perf_counter()
+    def _draft(self, answer: Answer, running: int, k_cap: int | None) -> _Draft:
+        k_chosen, note = self._plan_k(answer, running, k_cap)
+        t0 = clock(self.target.device)
         proposal = None
         drafter = answer.drafter
-        if k_planned > 0 and drafter is not None:  # _plan_k plans drafts only for an answer with a drafter
+        if k_chosen > 0 and drafter is not None:  # _plan_k plans drafts only for an answer with a drafter
             try:
-                proposal = drafter.propose(answer.ctx, k_planned, params, gen)
+                proposal = drafter.propose(answer.ctx, k_chosen, answer.params, answer.gen)
             except Exception as e:  # a failing drafter must not cost the answer: go on with the target
                 note, answer.drafter = f"drafter failed ({type(e).__name__}: {e}); continuing target-only", None
-        return Draft(k_planned, note, proposal, time.perf_counter() - t0)
+        return _Draft(k_chosen, note, proposal, clock(self.target.device) - t0)
 
-    def conclude(
+    def _conclude(
         self,
-        n: int,
         answer: Answer,
-        target: TargetCache,
-        draft: Draft,
-        logits: torch.Tensor,
-        params: SamplingParams,
-        gen: torch.Generator,
-        stats: SpecStats,
-        forward_start: float,
-        batch_size: int = 1,
+        draft: _Draft,
+        n_acc: int,
+        nxt: int,
+        drafts: list[int],
+        verify_s: float,
+        batch_size: int,
     ) -> StepEvent:
-        """The second half, once the target forward over ctx + drafts gave `logits`: accept → roll back → observe."""
-        drafts, proposal, note = draft.tokens, draft.proposal, draft.note
-        n_acc, nxt = accept(logits[-(len(drafts) + 1) :], proposal, params, gen)
-        target.rollback(len(answer.ctx) + n_acc)  # the cache keeps ctx and the accepted drafts
-        if answer.observer is not None:
-            try:
-                observe_target(answer.observer, target)
-            except Exception as e:  # as for a failing propose: the answer goes on with the target alone
-                note = f"drafter failed ({type(e).__name__}: {e}); continuing target-only"
-                answer.drafter = answer.observer = None
-        verify_s = time.perf_counter() - forward_start
+        """Roll back → trim at EOS and the budget → let every learner observe the same event."""
+        answer.cache.settle(answer.ctx + drafts[:n_acc])  # the cache keeps ctx and the accepted drafts
         emitted, finish = self._trim(drafts[:n_acc] + [nxt], answer)
         # Count only what the answer keeps: drafts past EOS (or the budget) were never needed.
-        n_acc_kept = min(n_acc, len(emitted))
-        k_counted = len(drafts) if len(emitted) > n_acc else len(emitted)
-        speculative = proposal is not None
-        forwards = proposal.forwards if proposal else 0
-        stats.record(
-            len(emitted),
-            verify_s,
-            speculative=speculative,
-            k_drafted=k_counted,
-            n_accepted=n_acc_kept,
-            draft_s=draft.seconds,
-            draft_forwards=forwards,
-        )
-        answer.governor.observe(speculative, len(emitted), draft.seconds, verify_s)
-        if speculative:
-            answer.policy.observe(n_acc_kept, k_counted, forwards, draft.seconds, verify_s)
-        answer.ctx += emitted
-        answer.produced += len(emitted)
-        return StepEvent(
-            step=n,
+        counted = drafts if len(emitted) > n_acc else drafts[: len(emitted)]
+        proposal = draft.proposal
+        event = StepEvent(
+            step=answer.steps,
             tokens=emitted,
             from_draft=[i < n_acc for i in range(len(emitted))],
-            speculative=speculative,
-            k_planned=draft.k_planned,
-            drafted=drafts,
-            n_accepted=n_acc_kept,
-            draft_forwards=forwards,
+            speculative=proposal is not None,
+            k_chosen=draft.k_chosen,
+            draft_tokens=counted,
+            accepted=min(n_acc, len(emitted)),
+            draft_forwards=proposal.forwards if proposal else 0,
             draft_seconds=draft.seconds,
             verify_seconds=verify_s,
-            note=note,
+            note=draft.note,
             finish_reason=finish,
             batch_size=batch_size,
         )
+        for drafter in {id(d): d for d in (answer.observer, answer.drafter if proposal else None) if d}.values():
+            try:
+                drafter.observe(event, answer.cache)
+            except Exception as e:  # as for a failing propose: the answer goes on with the target alone
+                event.note = f"drafter failed ({type(e).__name__}: {e}); continuing target-only"
+                answer.drafter = answer.observer = None
+        answer.stats.observe(event)
+        answer.governor.observe(event)
+        answer.policy.observe(event)
+        answer.ctx += emitted
+        answer.produced += len(emitted)
+        return event
 
     def _trim(self, emitted: list[int], answer: Answer) -> tuple[list[int], str | None]:
         """Cut at EOS and at the token budget; the target cache drops the rest on its next extend."""
@@ -346,19 +373,6 @@ class SpeculativeEngine:
         if len(emitted) >= room:
             return emitted[:room], "length" if answer.length_limited else "context"
         return emitted, None
-
-
-def accept(
-    logits: torch.Tensor, proposal: Proposal | None, params: SamplingParams, gen: torch.Generator
-) -> tuple[int, int]:
-    """The target's verdict on the drafts from its logits at the last position before them and at each draft
-    (len(drafts) + 1 rows): accepted drafts, and the target's own next token."""
-    drafts = proposal.tokens if proposal else []
-    if params.greedy:
-        return accept_greedy(drafts, logits.argmax(-1).tolist())
-    if proposal is not None and drafts:
-        return accept_sampled(drafts, logits_to_probs(logits, params), proposal.probs, gen)
-    return 0, sample(logits_to_probs(logits[-1], params), gen)
 
 
 def collect(events: Iterator[StepEvent]) -> tuple[list[int], list[StepEvent]]:

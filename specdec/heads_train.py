@@ -18,8 +18,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .heads import DraftHeads, HeadsConfig, HeadsDrafter
 from .heads_data import Sequence
+from .heads_drafter import HeadsDrafter
+from .heads_model import DraftHeads, HeadsConfig
 from .models import LoadedModel
 from .sampling import SamplingParams
 
@@ -293,8 +294,8 @@ def simulated_acceptance(heads: DraftHeads, seqs: list[Sequence], k: int) -> dic
         drafter.rollback(0)
         while pos < len(s.tokens):
             held = len(drafter.tokens)
-            drafter.observe(s.tokens[: pos - 1], held, s.features[held : pos - 1])
-            drafts = drafter.propose(s.tokens[:pos], k, SamplingParams(), None).tokens
+            drafter.add_features(s.tokens[: pos - 1], held, s.features[held : pos - 1])
+            drafts = drafter.propose(s.tokens[:pos], k, SamplingParams(), None).tokens.tolist()
             n = 0
             while n < len(drafts) and pos + n < len(s.tokens) and drafts[n] == s.tokens[pos + n]:
                 accepted_at[n] += 1

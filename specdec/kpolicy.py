@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from .metrics import expected_speedup
+
+if TYPE_CHECKING:
+    from .engine import StepEvent
 
 
 class KPolicy(Protocol):
     def next_k(self) -> int: ...
 
-    def observe(self, n_accepted: int, k_drafted: int, draft_forwards: int, draft_s: float, verify_s: float) -> None:
-        """Told after every speculative step (the drafter ran; it may have proposed nothing)."""
+    def observe(self, event: StepEvent) -> None:
+        """Told after every target forward (event.speculative: the drafter ran; it may have proposed nothing)."""
 
 
 class FixedK:
@@ -25,7 +28,7 @@ class FixedK:
     def next_k(self) -> int:
         return self.k
 
-    def observe(self, n_accepted: int, k_drafted: int, draft_forwards: int, draft_s: float, verify_s: float) -> None:
+    def observe(self, event: StepEvent) -> None:
         pass
 
 
@@ -45,11 +48,14 @@ class AdaptiveK:
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else self.decay * old + (1 - self.decay) * new
 
-    def observe(self, n_accepted: int, k_drafted: int, draft_forwards: int, draft_s: float, verify_s: float) -> None:
-        if k_drafted:  # one step is a truncated geometric sample: n accepted, then one rejection unless n == k
-            self.alpha = self._ema(self.alpha, n_accepted / (n_accepted + (n_accepted < k_drafted)))
-        if verify_s > 0:  # per draft forward: a step the gate cut short ran one more forward than it proposed
-            self.c = self._ema(self.c, (draft_s / max(draft_forwards, 1)) / verify_s)
+    def observe(self, event: StepEvent) -> None:
+        if not event.speculative:
+            return
+        n, k = event.accepted, event.drafted
+        if k:  # one step is a truncated geometric sample: n accepted, then one rejection unless n == k
+            self.alpha = self._ema(self.alpha, n / (n + (n < k)))
+        if event.verify_seconds > 0:  # per draft forward (a gated step may run more forwards than it proposed)
+            self.c = self._ema(self.c, (event.draft_seconds / max(event.draft_forwards, 1)) / event.verify_seconds)
         if self.alpha is None:
             return
         alpha = min(self.alpha, 0.999)
@@ -75,15 +81,15 @@ class SpeculationGovernor:
         self.seen = 0
         self.off_reason = ""
 
-    def observe(self, speculative: bool, emitted: int, draft_s: float, verify_s: float) -> None:
-        """One target forward; speculative: a drafter ran before it (whatever it proposed)."""
+    def observe(self, event: StepEvent) -> None:
+        """One target forward; event.speculative: a drafter ran before it (whatever it proposed)."""
         self.seen += 1
         if self.seen == 1:
             return  # the first step carries the prompt's prefill
-        if speculative:
-            self.spec.append((emitted, draft_s + verify_s))
+        if event.speculative:
+            self.spec.append((len(event.tokens), event.draft_seconds + event.verify_seconds))
         else:
-            self.plain.append(verify_s)
+            self.plain.append(event.verify_seconds)
         self._decide()
 
     @property

@@ -15,6 +15,7 @@ import torch
 
 from .calibrate import measured_forward_seconds
 from .heads_data import Sequence
+from .runner import BatchRunner
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -62,7 +63,7 @@ def rank_layers(model: PreTrainedModel, seqs: list[Sequence]) -> list[tuple[int,
 
 def draft_cost_ratio(model: PreTrainedModel, skip: set[int], device: torch.device, repeats: int = 5) -> float:
     """c: the skipped model's one-token forward over the whole target's, measured as the engine feeds them."""
-    full = measured_forward_seconds(model, device, 1, repeats=repeats)
+    full = measured_forward_seconds(BatchRunner(model, device), 1, repeats=repeats)
     with skipping(model, skip):
-        part = measured_forward_seconds(model, device, 1, repeats=repeats)
+        part = measured_forward_seconds(BatchRunner(model, device), 1, repeats=repeats)
     return part / full

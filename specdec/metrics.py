@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .engine import StepEvent
 
 DEFINITIONS: dict[str, str] = {
     "draft_acceptance_rate": "accepted draft tokens ÷ proposed draft tokens (vLLM's definition)",
@@ -29,6 +33,8 @@ DEFINITIONS: dict[str, str] = {
     "target-only answer token for token (quantized and dequantized arithmetic can break near-ties differently)",
     "forward_ms": "bench-target: median milliseconds of one target forward feeding N new tokens on top of a "
     "64-token KV cache, as the engine feeds them (N = 1 is a plain decode step, N = K + 1 verifies K drafts)",
+    "verify_cost_ratio": "bench-target: forward_ms at N tokens ÷ forward_ms at one token, the same target format and "
+    "attention (what verifying N − 1 drafts costs, in one-token steps)",
     "target_only_tokens_per_s": "bench-target: median over prompts of a target-only greedy answer's tokens_per_s",
     "top1_agreement": "bench-target: teacher-forced over the reference target's greedy answers, the share of answer "
     "positions where this target format's top token is the reference's token (drift of a quantized target)",
@@ -97,8 +103,8 @@ def alpha_from_acceptance_rate(rate: float, k: int) -> float:
 
 @dataclass
 class SpecStats:
-    """Running counters for one generation (or a whole benchmark). Record each target forward once, after the
-    EOS/budget trim, so nothing past the answer's end counts."""
+    """Running counters for one generation (or a whole benchmark). Observes each target forward's StepEvent once,
+    after the EOS/budget trim, so nothing past the answer's end counts."""
 
     target_forwards: int = 0  # every target forward
     speculative_steps: int = 0  # target forwards that verified a drafter's proposal (the drafter ran)
@@ -112,33 +118,24 @@ class SpecStats:
     per_position_proposed: list[int] = field(default_factory=list)
     per_position_accepted: list[int] = field(default_factory=list)
 
-    def record(
-        self,
-        n_emitted: int,
-        verify_s: float,
-        *,
-        speculative: bool = False,
-        k_drafted: int = 0,
-        n_accepted: int = 0,
-        draft_s: float = 0.0,
-        draft_forwards: int = 0,
-    ) -> None:
-        """One target forward. speculative: a drafter ran this step (it may have proposed nothing)."""
+    def observe(self, event: StepEvent) -> None:
+        """One target forward. event.speculative: a drafter ran this step (it may have proposed nothing)."""
         self.target_forwards += 1
-        self.emitted += n_emitted
-        if not speculative:
+        self.emitted += len(event.tokens)
+        if not event.speculative:
             return
+        k, n = event.drafted, event.accepted
         self.speculative_steps += 1
-        self.proposed += k_drafted
-        self.accepted += n_accepted
-        self.rejections += int(n_accepted < k_drafted)
-        self.draft_seconds += draft_s
-        self.draft_forwards += draft_forwards
-        self.verify_seconds += verify_s
-        self._grow_positions(k_drafted)
-        for i in range(k_drafted):
+        self.proposed += k
+        self.accepted += n
+        self.rejections += int(n < k)
+        self.draft_seconds += event.draft_seconds
+        self.draft_forwards += event.draft_forwards
+        self.verify_seconds += event.verify_seconds
+        self._grow_positions(k)
+        for i in range(k):
             self.per_position_proposed[i] += 1
-            self.per_position_accepted[i] += int(i < n_accepted)
+            self.per_position_accepted[i] += int(i < n)
 
     def _grow_positions(self, k: int) -> None:
         while len(self.per_position_proposed) < k:

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -87,7 +87,6 @@ class LoadedModel:
     tokenizer: Tokenizer
     device: torch.device
     dtype: torch.dtype
-    min_feed: int = 1  # tokens per forward at least (see kv.fastest_min_feed); build_engine measures it
 
     @property
     def max_context(self) -> int:
@@ -328,41 +327,6 @@ def resident_bytes() -> int:
     """This process's resident memory (Linux)."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _quantize_linear_children(parent: torch.nn.Module) -> None:
-    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
-
-    linears = [c for c in parent.children() if type(c) is torch.nn.Linear]
-    for linear in linears:
-        linear.float()
-    quantize_dynamic(parent, {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8, inplace=True)
-    for linear in linears:  # its qconfig's observer factory refers back to it: a cycle only gc would free
-        del linear.qconfig
-
-
-ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)
-
-
-def quantize_int8(model: ModuleT) -> ModuleT:
-    """Dynamic int8 Linear layers (CPU), in place; the rest of the model in float32.
-
-    The same modules as quantize_dynamic(model.float(), ...), built without ever holding the whole model in
-    float32: that and quantize_dynamic's deep copy of it cost 4 GB for the 0.5B draft. Here each Linear is
-    cast just before its quantized version replaces it, and freed on return from _quantize_linear_children.
-    """
-    import warnings
-
-    # Only the parents are listed (a list of every module would keep each replaced Linear alive); pre-order
-    # reversed puts children before their parents.
-    parents = [m for m in model.modules() if any(type(c) is torch.nn.Linear for c in m.children())]
-    with warnings.catch_warnings():  # deprecated in favour of torchao, still the fastest CPU path in 2.13
-        warnings.simplefilter("ignore")
-        for parent in reversed(parents):
-            _quantize_linear_children(parent)
-    model.float()  # what is left: embeddings, norms, rotary buffers
-    release_free_memory()  # the float32 temporaries' pages: 250 MB for the 0.5B draft on the app's loader thread
-    return model
 
 
 def estimate_pair_bytes(names: list[str], dtype: torch.dtype) -> list[tuple[str, int]]:

@@ -1,15 +1,16 @@
-"""Quantized Linear layers for a CPU target (w8a8, int8 or int4 weight-only) that keep speculation lossless.
+"""Quantization, the target's and the draft's in one place: Linear layers in w8a8, int8 or int4 weight-only (CPU).
 
 Lossless needs every row of a forward computed on its own: a token verified among K others must get the logits
-it gets decoded alone. The weight-only kernels multiply each row separately; w8a8 pins fbgemm's per-tensor
-activation scale (Int8RowLinear); row_attention does the same for attention. torch.ao's dynamic int8 scales
-activations per tensor and stays a draft-only lever.
+it gets decoded alone. The weight-only kernels multiply each row separately; w8a8 quantizes each row with its own
+scale (Int8RowLinear on oneDNN with AMX, Int8RowLinearFbgemm without); attention.row_attention does the same for
+attention. The draft model and the heads use the same w8a8 layers (--draft-quant int8).
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,7 +20,8 @@ from .models import release_free_memory
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-TARGET_QUANTS = ("none", "int8", "w8a8", "int4")
+# w8a8 takes the kernel measured faster on this kind of CPU (w8a8_layer); w8a8-onednn and w8a8-fbgemm name one.
+TARGET_QUANTS = ("none", "int8", "w8a8", "w8a8-onednn", "w8a8-fbgemm", "int4")
 INT4_GROUP = 32  # inputs per int4 scale; the GGUF source is Q4_K_M, quantized in groups of 32 too
 INT4_INNER_K_TILES = 2
 
@@ -48,7 +50,50 @@ class Int8WeightLinear(torch.nn.Module):
 
 
 class Int8RowLinear(torch.nn.Module):
-    """W8A8 on fbgemm's dynamic int8 GEMM (the CPU's fastest int8 path), made row-independent.
+    """W8A8 on oneDNN's prepacked int8 matmul, rows independent: the layer for CPUs with AMX.
+
+    Each row is quantized with its own scale (max |x| ÷ 127), so the kernel sees one fixed activation scale and
+    zero point for every call: int8 products summed in int32 are exact in any order, so a row's result is the same
+    whether it is fed alone or among others (what losslessness needs of a verifying forward). With AMX tiles its
+    cost stays nearly flat up to 16 rows (measured on an AMX VM, issue 20); without AMX it runs on VNNI and was
+    measured slower than fbgemm at every row count up to 9 (docs/results.md), hence Int8RowLinearFbgemm there.
+    """
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        w = linear.weight.detach().float()
+        scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0
+        qweight = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        self._packed = torch.ops.onednn.qlinear_prepack(qweight, None)
+        self._scale = scale
+        self._zero = torch.zeros(len(w), dtype=torch.long)
+        self.packed_weight_bytes = w.numel() + 12 * len(w)  # int8 weights, a float32 scale and a zero point per row
+        self.bias = (
+            None if linear.bias is None else torch.nn.Parameter(linear.bias.detach().float(), requires_grad=False)
+        )
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).float()
+        row_scale = flat.abs().amax(dim=1, keepdim=True).clamp(min=1e-8) / 127.0
+        # symmetric int8 stored as uint8 around zero point 128, which the kernel takes for activations
+        q = torch.round(flat / row_scale).add_(128).to(torch.uint8)
+        y = _onednn_int8_matmul(q, self._packed, self._scale, self._zero).mul_(row_scale)
+        if self.bias is not None:  # after the row's scale, which the kernel's own bias would be multiplied by
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+
+@torch.compiler.disable  # inductor lowers this op only with the weight frozen into the graph: left eager
+def _onednn_int8_matmul(q: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """x · wᵀ in float32 from uint8 rows (zero point 128, scale 1) and prepacked int8 weights with per-row scales."""
+    return torch.ops.onednn.qlinear_pointwise(
+        q, 1.0, 128, packed, scale, zero, None, 1.0, 0, torch.float32, "none", [], ""
+    )
+
+
+class Int8RowLinearFbgemm(torch.nn.Module):
+    """W8A8 on fbgemm's dynamic int8 GEMM, made row-independent: the layer for CPUs without AMX.
 
     fbgemm quantizes activations with one scale for the whole tensor, taken from its min and max, so a row's
     result would depend on the other rows fed with it. Here each row is divided by its own max |x| first and two
@@ -86,6 +131,19 @@ class Int8RowLinear(torch.nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
 
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX int8 tiles (Linux's CPU flags; elsewhere assumed not)."""
+    try:
+        return " amx_int8" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+def w8a8_layer() -> type[torch.nn.Module]:
+    """The w8a8 layer measured faster on this kind of CPU: oneDNN with AMX, fbgemm without (docs/results.md)."""
+    return Int8RowLinear if cpu_has_amx() else Int8RowLinearFbgemm
+
+
 class Int4WeightLinear(torch.nn.Module):
     """Asymmetric int4 weights in groups of INT4_GROUP inputs, packed for torch's CPU int4 matmul (bf16 in/out)."""
 
@@ -113,42 +171,6 @@ class Int4WeightLinear(torch.nn.Module):
         y = torch._weight_int4pack_mm_for_cpu(flat, self.packed, self.group, self._scale_zero)
         y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
         return y if self.bias is None else y + self.bias
-
-
-ROW_ATTENTION = "specvoice_rows"
-
-
-def row_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    **kwargs: object,
-) -> tuple[torch.Tensor, None]:
-    """Causal attention computed one query row at a time, each over exactly the keys it may see.
-
-    A fused kernel (SDPA) blocks its sums by how many rows it is given, so a token verified among K others comes out
-    a last bit different from the same token decoded alone; a quantized layer then rounds that bit into a whole int8
-    step now and then, and greedy output leaves the target-only path. Row by row, every row's matmuls have the
-    shapes that decoding that token alone has, so its result is the same bit for bit. One sequence, no padding:
-    the engine feeds nothing else. Costs about 1 ms per row fed (28 layers), i.e. per prompt token too.
-    """
-    if query.shape[0] != 1 or attention_mask is not None:
-        raise ValueError("row attention takes one unpadded sequence")
-    _, n_heads, rows, dim = query.shape
-    kv_heads, length = key.shape[1], key.shape[2]
-    # [1, kv_heads, heads per kv head, rows, dim]: each group of query heads shares one key/value head
-    grouped = query.view(1, kv_heads, n_heads // kv_heads, rows, dim)
-    scale = dim**-0.5 if scaling is None else scaling
-    out = query.new_empty(1, rows, n_heads, dim)
-    for i in range(rows):
-        seen = length - rows + i + 1
-        keys, values = key[:, :, :seen], value[:, :, :seen]
-        weights = torch.softmax(torch.matmul(grouped[:, :, :, i], keys.transpose(-1, -2)) * scale, dim=-1)
-        out[:, i] = torch.matmul(weights, values).reshape(1, n_heads, dim)
-    return out, None
 
 
 # Text whose activations set the smoothing scales: spoken-assistant English like the product's answers, written
@@ -218,10 +240,17 @@ def quantize_linears(
     """
     if quant == "none":
         return model
-    make = {"int8": Int8WeightLinear, "w8a8": Int8RowLinear, "int4": _int4_or_int8}.get(quant)
+    makers: dict[str, Callable[[torch.nn.Linear], torch.nn.Module]] = {
+        "int8": Int8WeightLinear,
+        "w8a8": w8a8_layer(),
+        "w8a8-onednn": Int8RowLinear,
+        "w8a8-fbgemm": Int8RowLinearFbgemm,
+        "int4": _int4_or_int8,
+    }
+    make = makers.get(quant)
     if make is None:
         raise ValueError(f"--target-quant must be one of {', '.join(TARGET_QUANTS)}, got {quant!r}")
-    if quant == "w8a8" and calibration_ids is not None:
+    if quant.startswith("w8a8") and calibration_ids is not None:
         smooth_mlp_inputs(model, calibration_ids)
     replace_linears(model, make)
     embeddings = model.get_input_embeddings()
@@ -241,11 +270,3 @@ def replace_linears(module: torch.nn.Module, make: Callable[[torch.nn.Linear], t
         for name, child in list(parent.named_children()):
             if type(child) is torch.nn.Linear:
                 setattr(parent, name, make(child))
-
-
-def use_row_attention(model: PreTrainedModel) -> None:
-    """Make the model attend with row_attention: with quantized layers, a must for a lossless target."""
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(ROW_ATTENTION, row_attention)
-    model.set_attn_implementation(ROW_ATTENTION)

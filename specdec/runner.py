@@ -1,87 +1,64 @@
-"""A batched target forward of our own: several sequences' new tokens packed into one forward, each sequence with
-its own KV cache, positions and causal attention.
+"""Our own target forward: several sequences' new tokens packed into one forward, each sequence with its own KV cache
+(kv.SequenceCache), positions and causal attention. Used for one sequence and for a batch alike.
 
 transformers' caches hold one length for the whole batch, so sequences that join, leave and roll back drafts at
 different lengths would need padding and masks; packing needs neither. Every Linear layer (the forward's cost) runs
-once over all rows of all sequences; attention runs per sequence, row by row (quant.row_attention), so a row's
-result does not depend on what else was fed with it: a sequence batched with others gets the logits it gets alone
-(bit for bit with the w8a8 target, whose Linear rows are independent too). For Qwen2- and Llama-shaped models.
+once over all rows of all sequences; attention runs per sequence (attention.py). With exact_rows, attention runs row
+by row, so a row's result does not depend on what else was fed with it: a sequence batched with others, or a token
+verified among drafts, gets the logits it gets decoded alone (bit for bit with the quantized targets, whose Linear
+rows are independent too). For Qwen2- and Llama-shaped models.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .quant import row_attention
-from .tokenizer import common_prefix_length
+from .attention import causal_attention, rotate, row_attention
+from .kv import PENDING, SequenceCache
+from .timing import median_seconds
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-MIN_CAPACITY = 256  # KV positions a sequence first allocates; doubled as it grows
-
-
-class SequenceCache:
-    """One sequence's KV cache in a BatchRunner, with PrefixCache's interface, so an EngineSession can hold either.
-    Invariant: the cache holds exactly `tokens`."""
-
-    def __init__(self, runner: BatchRunner) -> None:
-        self.runner = runner
-        self.tokens: list[int] = []
-        self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer: keys, values [kv_heads, capacity, dim]
-        self.keep_hidden = False
-        self.hidden: torch.Tensor | None = None
-        self.hidden_start = 0
-
-    def reset(self) -> None:
-        self.tokens = []
-
-    def rollback(self, length: int) -> None:
-        """Keep only the first `length` cached tokens (after a rejection)."""
-        del self.tokens[length:]
-
-    def common_prefix(self, tokens: list[int]) -> int:
-        return common_prefix_length(self.tokens, tokens)
-
-    def extend(self, tokens: list[int], n_logits: int = 1) -> torch.Tensor:
-        """PrefixCache.extend for this sequence alone."""
-        return self.runner.extend([Feed(self, tokens, n_logits)])[0]
-
-    def _reserve(self, length: int) -> None:
-        capacity = self.kv[0][0].shape[1] if self.kv else 0
-        if length <= capacity:
-            return
-        new_capacity = max(MIN_CAPACITY, capacity)
-        while new_capacity < length:
-            new_capacity *= 2
-        r = self.runner
-        shape = (r.kv_heads, new_capacity, r.head_dim)
-        grown = []
-        for layer in range(r.n_layers):
-            k, v = (torch.zeros(shape, dtype=r.dtype, device=r.device) for _ in range(2))
-            if self.kv:
-                k[:, :capacity], v[:, :capacity] = self.kv[layer]
-            grown.append((k, v))
-        self.kv = grown
-
 
 @dataclass
 class Feed:
-    """What one sequence asks of a batched forward: make its cache hold `tokens`, return logits of the last
-    n_logits positions (PrefixCache.extend's contract)."""
+    """What one sequence asks of a forward: make its cache hold `tokens` followed by `drafts` (a device tensor, fed
+    as PENDING positions), and return the logits of the last n_logits positions (at least that many are fed, re-
+    feeding cached ones if needed, so row i always lines up with position len − n_logits + i)."""
 
     cache: SequenceCache
     tokens: list[int]
     n_logits: int = 1
+    drafts: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens) + (0 if self.drafts is None else len(self.drafts))
 
 
 class BatchRunner:
-    def __init__(self, model: PreTrainedModel, device: torch.device) -> None:
+    """exact_rows: attention row by row (what a lossless quantized target needs); else one fused call per sequence.
+    min_feed: a forward feeds at least this many rows, padding with copies of the last token (its KV slots are past
+    the sequence's length, so nothing keeps them): a one-row bf16 matmul is slower than a two-row one on some CPUs.
+    compile: torch.compile each layer's dense halves (layer_parts); attention and the caches stay eager."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        device: torch.device,
+        exact_rows: bool = False,
+        min_feed: int = 1,
+        compile: bool = False,
+    ) -> None:
         self.model = model
         self.device = device
+        self.exact_rows = exact_rows
+        self.min_feed = min_feed
         decoder = model.get_decoder()
         self.layers = list(decoder.layers)
         attn = self.layers[0].self_attn
@@ -92,85 +69,133 @@ class BatchRunner:
         self.kv_heads = cfg.num_key_value_heads
         self.scaling = attn.scaling
         self.dtype = decoder.norm.weight.dtype  # what the model's remainder computes in (float32 once quantized)
+        self.parts = [layer_parts(layer, self.n_heads, self.kv_heads, self.head_dim) for layer in self.layers]
+        if compile:  # dynamic: one graph for every number of rows; CUDA graphs per shape on a GPU
+            mode = "reduce-overhead" if device.type == "cuda" else "default"
+            self.parts = [
+                (torch.compile(project, dynamic=True, mode=mode), torch.compile(finish, dynamic=True, mode=mode))
+                for project, finish in self.parts
+            ]
 
     def new_cache(self) -> SequenceCache:
         return SequenceCache(self)
 
     @torch.inference_mode()
     def extend(self, feeds: list[Feed]) -> list[torch.Tensor]:
-        """One forward over every feed's new tokens; per feed, logits (n, V) as PrefixCache.extend returns them."""
-        starts, news = [], []
+        """One forward over every feed's new tokens; per feed, logits (n_logits, V)."""
+        starts: list[int] = []
+        pieces: list[tuple[int, int]] = []
+        ids: list[int] = []
+        positions: list[int] = []
         for f in feeds:
-            keep = max(0, min(f.cache.common_prefix(f.tokens), len(f.tokens) - f.n_logits))
+            keep = max(0, min(f.cache.common_prefix(f.tokens), f.length - f.n_logits))
             f.cache.rollback(keep)
-            f.cache._reserve(len(f.tokens))
             starts.append(keep)
-            news.append(f.tokens[keep:])
+            host = f.tokens[keep:]
+            ids += host
+            positions += range(keep, f.length)
+            n_drafts = 0 if f.drafts is None else len(f.drafts)
+            pieces.append((len(host), n_drafts))
+        pad = max(0, self.min_feed - len(positions))
+        feeds[-1].cache.reserve(feeds[-1].length + pad)
+        for f in feeds[:-1]:
+            f.cache.reserve(f.length)
+        token_ids = self._ids(feeds, ids, pieces, pad)
+        positions += range(positions[-1] + 1, positions[-1] + 1 + pad)
+        spans = [(s, f.length - s) for s, f in zip(starts, feeds)]
+        spans[-1] = (spans[-1][0], spans[-1][1] + pad)
         try:
-            hidden = self._forward(feeds, starts, news)
+            hidden = self._forward(feeds, spans, token_ids, torch.tensor(positions, device=self.device))
         except BaseException:
             for f in feeds:  # a forward that failed half-way may have written some layers' caches: start over
                 f.cache.reset()
             raise
         rows: list[int] = []
-        logits_rows, offset = [], 0
-        for f, start, new in zip(feeds, starts, news):
-            n = min(f.n_logits, len(new))
-            logits_rows.append((len(rows), n))
-            rows.extend(range(offset + len(new) - n, offset + len(new)))
-            f.cache.tokens = list(f.tokens)
-            if f.cache.keep_hidden:
-                f.cache.hidden, f.cache.hidden_start = hidden[offset : offset + len(new)], start
-            offset += len(new)
-        logits = self.model.get_output_embeddings()(hidden[rows])
-        return [logits[a : a + n] for a, n in logits_rows]
-
-    def _forward(self, feeds: list[Feed], starts: list[int], news: list[list[int]]) -> torch.Tensor:
-        """The decoder over all new tokens, packed as one batch of rows; returns the final-norm hidden states."""
-        decoder = self.model.get_decoder()
-        ids = torch.tensor([t for new in news for t in new], device=self.device)
-        positions = [p for s, new in zip(starts, news) for p in range(s, s + len(new))]
-        x = decoder.embed_tokens(ids[None])  # [1, rows, hidden]
-        cos, sin = decoder.rotary_emb(x, torch.tensor([positions], device=self.device))
-        spans = [(s, len(new)) for s, new in zip(starts, news)]
-        for i, layer in enumerate(self.layers):
-            h = layer.input_layernorm(x)
-            x = x + self._attention(layer.self_attn, h, cos, sin, feeds, spans, i)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return decoder.norm(x)[0]
-
-    def _attention(
-        self,
-        attn: Any,  # the layer's attention module: its projections and scaling
-        h: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        feeds: list[Feed],
-        spans: list[tuple[int, int]],
-        layer: int,
-    ) -> torch.Tensor:
-        rows = h.shape[1]
-        q = attn.q_proj(h).view(rows, self.n_heads, self.head_dim).transpose(0, 1)  # [heads, rows, dim]
-        k = attn.k_proj(h).view(rows, self.kv_heads, self.head_dim).transpose(0, 1)
-        v = attn.v_proj(h).view(rows, self.kv_heads, self.head_dim).transpose(0, 1)
-        q, k = rotate(q, cos[0], sin[0]), rotate(k, cos[0], sin[0])
-        out = []
         offset = 0
         for f, (start, n) in zip(feeds, spans):
-            keys, values = f.cache.kv[layer]
-            keys[:, start : start + n] = k[:, offset : offset + n]
-            values[:, start : start + n] = v[:, offset : offset + n]
-            seen = start + n
-            o, _ = row_attention(
-                attn, q[None, :, offset : offset + n], keys[None, :, :seen], values[None, :, :seen], None, self.scaling
-            )
-            out.append(o[0])  # [n, heads, dim]
+            real = f.length - start
+            rows += range(offset + real - f.n_logits, offset + real)
+            f.cache.tokens = f.tokens + [PENDING] * (f.length - len(f.tokens))
+            if f.cache.keep_hidden:
+                f.cache.hidden, f.cache.hidden_start = hidden[offset : offset + real], start
             offset += n
-        return attn.o_proj(torch.cat(out).reshape(1, rows, -1))
+        logits = self.model.get_output_embeddings()(hidden[torch.tensor(rows, device=self.device)])
+        return list(logits.split([f.n_logits for f in feeds]))
+
+    def _ids(self, feeds: list[Feed], host: list[int], pieces: list[tuple[int, int]], pad: int) -> torch.Tensor:
+        """The fed ids in order, the host tokens copied to the device once, the drafts spliced in from the device."""
+        host_ids = torch.tensor(host, dtype=torch.long, device=self.device)
+        if all(n == 0 for _, n in pieces) and not pad:
+            return host_ids
+        parts, at = [], 0
+        for f, (n_host, n_drafts) in zip(feeds, pieces):
+            parts.append(host_ids[at : at + n_host])
+            at += n_host
+            if n_drafts:
+                assert f.drafts is not None
+                parts.append(f.drafts.to(torch.long))
+        ids = torch.cat(parts)
+        return torch.cat([ids, ids[-1:].expand(pad)]) if pad else ids
+
+    def _forward(
+        self, feeds: list[Feed], spans: list[tuple[int, int]], ids: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """The decoder over all new tokens, packed as one batch of rows; returns the final-norm hidden states."""
+        decoder = self.model.get_decoder()
+        x = decoder.embed_tokens(ids[None])  # [1, rows, hidden]
+        cos, sin = decoder.rotary_emb(x, positions[None])
+        attend = row_attention if self.exact_rows else causal_attention
+        for layer, (project, finish) in enumerate(self.parts):
+            q, k, v = project(x, cos[0], sin[0])  # [heads, rows, dim]
+            out, offset = [], 0
+            for f, (start, n) in zip(feeds, spans):  # each sequence over its own cache
+                keys, values = f.cache.keys[layer], f.cache.values[layer]
+                keys[:, start : start + n] = k[:, offset : offset + n]
+                values[:, start : start + n] = v[:, offset : offset + n]
+                seen = start + n
+                out.append(attend(q[:, offset : offset + n], keys[:, :seen], values[:, :seen], self.scaling))
+                offset += n
+            x = finish(x, torch.cat(out))
+        return decoder.norm(x)[0]
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary position embedding (rotate-half form, as Qwen2 and Llama apply it) of x [heads, rows, dim]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def layer_parts(layer: Any, n_heads: int, kv_heads: int, head_dim: int) -> tuple[Callable, Callable]:
+    """A decoder layer's dense halves around attention, each of fixed shape for a given number of rows (what
+    torch.compile can take): norm → q, k, v projections → rotary; and o_proj → residual → norm → MLP → residual."""
+    attn = layer.self_attn
+
+    def project(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        h = layer.input_layernorm(x)
+        rows = h.shape[1]
+        q = attn.q_proj(h).view(rows, n_heads, head_dim).transpose(0, 1)
+        k = attn.k_proj(h).view(rows, kv_heads, head_dim).transpose(0, 1)
+        v = attn.v_proj(h).view(rows, kv_heads, head_dim).transpose(0, 1)
+        return rotate(q, cos, sin), rotate(k, cos, sin), v
+
+    def finish(x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        x = x + attn.o_proj(attended.reshape(1, attended.shape[0], -1))
+        return x + layer.mlp(layer.post_attention_layernorm(x))
+
+    return project, finish
+
+
+def fastest_min_feed(runner: BatchRunner, trials: int = 3) -> int:
+    """1 or 2: which of a one-token and a padded two-token decode step is faster for this model here, timed on a
+    short cached prefix (bf16 on this 2-core CPU: 243 vs 190 ms for the 1.5B target; int8 is fastest at one).
+    On a GPU one row never costs more than two: 1 without timing."""
+    if runner.device.type != "cpu":
+        return 1
+    cache = runner.new_cache()
+    prefix = list(range(100, 116))
+    cache.extend(prefix)
+    times = {}
+    for width in (1, 2):
+        runner.min_feed = width
+
+        def step() -> None:
+            cache.extend(prefix + [116])
+            cache.rollback(len(prefix))
+
+        times[width] = median_seconds(step, runner.device, repeats=trials)
+    runner.min_feed = 1
+    return min(times, key=lambda w: times[w])

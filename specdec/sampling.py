@@ -46,48 +46,49 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(total > 0, r / total.clamp_min(1e-30), p)
 
 
-def one_hot_probs(token: int, like: torch.Tensor) -> torch.Tensor:
-    """q for a deterministic drafter (n-gram): all mass on the proposed token."""
-    return torch.zeros_like(like).index_fill_(-1, torch.tensor([token], device=like.device), 1.0)
+def greedy_verdict(drafts: torch.Tensor, proposed: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """Accept drafts while they equal the target's argmax. drafts (K,), of which the first `proposed` (a 0-d tensor)
+    count; logits (K + 1, V): the target's after each drafted prefix. Returns (n_accepted, next_token) as a tensor:
+    next is the target's correction at the first mismatch, or its bonus token when every proposed draft matched.
+    Stays on the device (no host read)."""
+    choice = logits.argmax(-1)
+    k = len(drafts)
+    match = (drafts == choice[:k]) & (torch.arange(k, device=drafts.device) < proposed)
+    n = match.long().cumprod(0).sum()
+    return torch.stack([n, choice.index_select(0, n.view(1))[0]])
 
 
-def accept_greedy(draft_tokens: list[int], target_argmax: list[int]) -> tuple[int, int]:
-    """Accept drafts while they equal the target's argmax; return (n_accepted, next_token).
-
-    target_argmax has K + 1 entries: the target's choice after each drafted prefix.
-    next_token is the target's correction at the first mismatch, or the bonus token if all match.
-    """
-    n = 0
-    while n < len(draft_tokens) and draft_tokens[n] == target_argmax[n]:
-        n += 1
-    return n, target_argmax[n]
-
-
-def accept_sampled(
-    draft_tokens: list[int],
+def sampled_verdict(
+    drafts: torch.Tensor,
+    proposed: torch.Tensor,
     p: torch.Tensor,
     q: torch.Tensor | None,
     generator: torch.Generator | None = None,
-) -> tuple[int, int]:
-    """Speculative rejection sampling (Leviathan et al. 2023, Chen et al. 2023).
+) -> torch.Tensor:
+    """Speculative rejection sampling (Leviathan et al. 2023, Chen et al. 2023), on the device.
 
-    p: target probabilities, shape (K + 1, V); q: draft probabilities, shape (K, V), or None for a
-    deterministic drafter (q one-hot on each proposal). Accept draft i with probability
-    min(1, p_i(x) / q_i(x)); on the first rejection sample from norm(max(0, p_i − q_i)); if all K are
-    accepted, sample a bonus token from p_K. The emitted tokens are distributed exactly as p.
-    Returns (n_accepted, next_token).
+    p: target probabilities (K + 1, V); q: draft probabilities (K, V), or None for a deterministic drafter (q one-hot
+    on each draft). Draft i (of the first `proposed`) is accepted with probability min(1, p_i(x_i) / q_i(x_i)); at
+    the first rejection the next token is drawn from norm(max(0, p_i − q_i)); when every proposed draft is accepted,
+    from p at the next position (the bonus). The emitted tokens are distributed exactly as p. All K uniforms and
+    the one draw are taken whatever the outcome, so nothing waits for the host. Returns (n_accepted, next_token).
     """
-    for i, tok in enumerate(draft_tokens):
-        qi = one_hot_probs(tok, p[i]) if q is None else q[i]
-        ratio = p[i, tok] / qi[tok].clamp_min(1e-30)
-        u = torch.rand((), generator=generator, device=p.device)
-        if u < torch.clamp(ratio, max=1.0):
-            continue
-        nxt = torch.multinomial(residual_distribution(p[i], qi), 1, generator=generator)
-        return i, int(nxt)
-    bonus = torch.multinomial(p[len(draft_tokens)], 1, generator=generator)
-    return len(draft_tokens), int(bonus)
+    k = len(drafts)
+    positions = torch.arange(k, device=p.device)
+    q_of_draft = torch.ones(k, device=p.device) if q is None else q[positions, drafts]
+    ratio = (p[positions, drafts] / q_of_draft.clamp_min(1e-30)).clamp(max=1.0)
+    u = torch.rand(k, generator=generator, device=p.device)
+    accepted = (u < ratio) & (positions < proposed)
+    n = accepted.long().cumprod(0).sum()
+    at = n.view(1)
+    p_n = p.index_select(0, at)[0]
+    if k:
+        q_rows = torch.zeros_like(p[:k]).scatter_(-1, drafts[:, None], 1.0) if q is None else q
+        residual = residual_distribution(p_n, q_rows.index_select(0, at.clamp(max=k - 1))[0])
+        p_n = torch.where(n < proposed, residual, p_n)  # rejected at n: the residual; else the bonus from p_n
+    return torch.stack([n, torch.multinomial(p_n, 1, generator=generator)[0]])
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:
-    return int(torch.multinomial(probs, 1, generator=generator))
+def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token drawn from probs (V,), as a 0-d tensor on probs' device."""
+    return torch.multinomial(probs, 1, generator=generator)[0]

@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .engine import Answer, Draft, EngineSession, GenerationConfig, SpeculativeEngine, StepEvent
+from .engine import Answer, EngineSession, GenerationConfig, SpeculativeEngine, StepEvent
 from .metrics import SpecStats
 from .quant import CALIBRATION_TEXT
-from .runner import Feed, SequenceCache
+from .runner import Feed
+from .timing import median_seconds
 
 
 def interpolate(x: float, xs: list[int], ys: list[float]) -> float:
@@ -77,23 +78,24 @@ def measure_forward_costs(
 ) -> ForwardCosts:
     """Median seconds of a batched forward: b sequences with COST_CONTEXT cached tokens each, each feeding p more."""
     runner = engine.runner
-    assert runner is not None, "forward costs are measured on the batch runner"
     text = engine.target.tokenizer.encode(CALIBRATION_TEXT)
     length = COST_CONTEXT + max(per_sequence) + max(batches)
     ids = (text * (1 + length // len(text)))[:length]
     caches = [runner.new_cache() for _ in range(max(batches))]
     for i, cache in enumerate(caches):  # each sequence its own text
         cache.extend(ids[i : i + COST_CONTEXT])
+
+    def forward(b: int, p: int) -> None:
+        runner.extend([Feed(cache, ids[i : i + COST_CONTEXT + p], p) for i, cache in enumerate(caches[:b])])
+        for cache in caches[:b]:
+            cache.rollback(COST_CONTEXT)
+
     times: dict[tuple[int, int], list[float]] = {(b, p): [] for b in batches for p in per_sequence}
     for trial in range(trials + 1):  # shapes interleaved, so a slow spell of the machine hits them alike
         for b, p in times:
-            feeds = [Feed(cache, ids[i : i + COST_CONTEXT + p], p) for i, cache in enumerate(caches[:b])]
-            t0 = time.perf_counter()
-            runner.extend(feeds)
+            seconds = median_seconds(lambda: forward(b, p), runner.device, repeats=1, warmup=0)  # noqa: B023
             if trial:  # the first round warms every shape (the first forwards after loading run slow)
-                times[b, p].append(time.perf_counter() - t0)
-            for cache in caches[:b]:
-                cache.rollback(COST_CONTEXT)
+                times[b, p].append(seconds)
     medians = [[statistics.median(times[b, p]) for p in per_sequence] for b in batches]
     # More tokens never cost less: a median above a larger size's is noise, and would make drafts look free.
     monotone = [[min(row[i:]) for i in range(len(row))] for row in medians]
@@ -130,14 +132,14 @@ class LoadEstimate:
     def observe(self, event: StepEvent, draft_time: bool = True) -> None:
         """draft_time False: the step's draft time is not a draft's cost (a draft model's first step in an answer
         also prefills the prompt)."""
-        if not event.speculative or not event.k_planned:
+        if not event.speculative or not event.k_chosen:
             return
         keep = self.decay
-        for i in range(min(event.k_planned, len(self.accepted))):
-            self.proposed[i] = keep * self.proposed[i] + (1 - keep) * (i < event.k_drafted)
-            self.accepted[i] = keep * self.accepted[i] + (1 - keep) * (i < event.n_accepted)
+        for i in range(min(event.k_chosen, len(self.accepted))):
+            self.proposed[i] = keep * self.proposed[i] + (1 - keep) * (i < event.drafted)
+            self.accepted[i] = keep * self.accepted[i] + (1 - keep) * (i < event.accepted)
         if draft_time:
-            self.draft_s = keep * self.draft_s + (1 - keep) * event.draft_seconds / event.k_planned
+            self.draft_s = keep * self.draft_s + (1 - keep) * event.draft_seconds / event.k_chosen
 
 
 # A draft must raise the expected rate by this share to be asked for. The cost grid's marginal cost of a row is
@@ -176,22 +178,10 @@ def choose_ks(fed: list[int], wanted: list[int], estimates: list[LoadEstimate], 
 @dataclass
 class _Running:
     answer: Answer
-    session: EngineSession
-    config: GenerationConfig
-    cancel: threading.Event | None
-    stats: SpecStats
-    gen: torch.Generator
     estimate: LoadEstimate
     events: queue.Queue = field(default_factory=queue.Queue)  # StepEvents, or the exception that ended the answer
-    steps: int = 0
     drafted: bool = False  # a drafter has run for this answer
     abandoned: bool = False  # its reader stopped reading: leave at the next step
-
-    @property
-    def cache(self) -> SequenceCache:
-        """The session's target KV, in the engine's runner (BatchScheduler.stream checks it is one)."""
-        assert isinstance(self.session.target, SequenceCache)
-        return self.session.target
 
 
 class BatchScheduler:
@@ -205,8 +195,6 @@ class BatchScheduler:
     ALPHA_PRIOR = 0.5  # acceptance assumed for an answer before anything was measured
 
     def __init__(self, engine: SpeculativeEngine, costs: ForwardCosts | None = None) -> None:
-        if engine.runner is None:
-            raise ValueError("a BatchScheduler needs an engine built with batched=True")
         self.engine = engine
         self.costs = costs
         self._running: list[_Running] = []
@@ -224,18 +212,8 @@ class BatchScheduler:
         session: EngineSession | None = None,
     ) -> Iterator[StepEvent]:
         """SpeculativeEngine.stream's contract; the steps run on the scheduler's thread, batched with the others."""
-        session = session or EngineSession(self.engine)
-        assert isinstance(session.target, SequenceCache)  # sessions of a batched engine keep their KV in its runner
-        run = _Running(
-            self.engine.new_answer(prompt_ids, config, session),  # a bad prompt fails here, in the caller
-            session,
-            config,
-            cancel,
-            stats if stats is not None else SpecStats(),
-            torch.Generator(device=self.engine.target.device).manual_seed(config.seed),
-            self._prior.copy(decay=0.7),
-        )
-        return self._read(run)
+        answer = self.engine.new_answer(prompt_ids, config, session, cancel, stats)  # a bad prompt fails here
+        return self._read(_Running(answer, self._prior.copy(decay=0.7)))
 
     def _read(self, run: _Running) -> Iterator[StepEvent]:
         with self._lock:
@@ -274,43 +252,22 @@ class BatchScheduler:
                     run.events.put(e)
                 self._running = []
 
-    def _leave_or_stay(self, run: _Running) -> bool:
-        if run.abandoned:
-            return False
-        if run.cancel is not None and run.cancel.is_set():  # checked before spending a forward on it
-            run.events.put(StepEvent(step=run.steps + 1, tokens=[], from_draft=[], finish_reason="cancelled"))
-            return False
-        return True
-
     def _step(self) -> None:
-        runs = [r for r in self._running if self._leave_or_stay(r)]
+        runs = [r for r in self._running if not r.abandoned]  # a closed reader leaves without a forward
         self._running = runs
         if not runs:
             return
-        batch = len(runs)
-        caps = self._load_aware_ks(runs) if self.costs else [None] * batch
-        drafts: list[Draft] = []
-        for r, cap in zip(runs, caps):
-            drafts.append(self.engine.draft(r.answer, r.config.sampling, r.gen, batch, cap))
-        feeds = [Feed(r.cache, r.answer.ctx + d.tokens, len(d.tokens) + 1) for r, d in zip(runs, drafts)]
-        t0 = time.perf_counter()
+        answers = [r.answer for r in runs]
+        caps = self._load_aware_ks(runs) if self.costs else None
         try:
-            logits = self.engine.runner.extend(feeds)  # type: ignore[union-attr]  # checked in __init__
+            events = self.engine.step(answers, caps)
         except Exception as e:  # every answer in this forward fails with it; their caches were reset
             for r in runs:
                 r.events.put(e)
             self._running = []
             return
         staying = []
-        for r, d, lg in zip(runs, drafts, logits):
-            r.steps += 1
-            try:
-                event = self.engine.conclude(
-                    r.steps, r.answer, r.session.target, d, lg, r.config.sampling, r.gen, r.stats, t0, batch
-                )
-            except Exception as e:
-                r.events.put(e)
-                continue
+        for r, event in zip(runs, events):
             draft_time = r.drafted  # not the answer's first drafting step
             r.drafted = r.drafted or event.speculative
             r.estimate.observe(event, draft_time)
@@ -323,11 +280,13 @@ class BatchScheduler:
     def _load_aware_ks(self, runs: list[_Running]) -> list[int | None]:
         """K caps for the answers that asked for load-aware K; None for the others, whose drafts count as load."""
         assert self.costs is not None
-        aware = [r.config.load_aware for r in runs]
-        base = [max(1, len(r.answer.ctx) - r.cache.common_prefix(r.answer.ctx)) for r in runs]
-        wanted = [self.engine.wanted_k(r.answer) for r in runs]
+        answers = [r.answer for r in runs]
+        aware = [a.load_aware for a in answers]
+        base = [max(1, len(a.ctx) - a.cache.common_prefix(a.ctx)) for a in answers]
+        wanted = [self.engine.wanted_k(a) for a in answers]
         fed = [b if a else b + w for a, b, w in zip(aware, base, wanted)]
-        ks = choose_ks(fed, [w if a else 0 for a, w in zip(aware, wanted)], [r.estimate for r in runs], self.costs)
+        estimates = [r.estimate for r in runs]
+        ks = choose_ks(fed, [w if a else 0 for a, w in zip(aware, wanted)], estimates, self.costs)
         return [k if a else None for a, k in zip(aware, ks)]
 
 

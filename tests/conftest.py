@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from specdec.build import TINY_ENGINE, EngineSpec, build_engine
-from specdec.heads import save_heads
+from specdec.engine import StepEvent
 from specdec.heads_data import load_shards, make_dataset
+from specdec.heads_file import save_heads
 from specdec.heads_train import TrainConfig, fit_heads
 from specdec.models import LoadedModel, load_model
 
@@ -82,6 +83,27 @@ class TinyEngine:
     @property
     def models(self) -> tuple[LoadedModel, LoadedModel]:
         return self.target, self.draft
+
+
+@pytest.fixture
+def step_event():
+    """Makes a StepEvent as the engine would (emitted: accepted drafts + the target's token), for the learners."""
+
+    def make(accepted=0, drafted=0, forwards=0, draft_s=0.0, verify_s=0.0, speculative=True, k_chosen=None):
+        return StepEvent(
+            step=1,
+            tokens=[0] * (accepted + 1),
+            from_draft=[i < accepted for i in range(accepted + 1)],
+            speculative=speculative,
+            k_chosen=drafted if k_chosen is None else k_chosen,
+            draft_tokens=[0] * drafted,
+            accepted=accepted,
+            draft_forwards=forwards,
+            draft_seconds=draft_s,
+            verify_seconds=verify_s,
+        )
+
+    return make
 
 
 @pytest.fixture(scope="session")

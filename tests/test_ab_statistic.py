@@ -2,8 +2,8 @@
 
 import statistics
 
+from app.stats import bootstrap_ci, paired_ratio
 from specdec.metrics import DEFINITIONS
-from specdec.stats import bootstrap_ci, paired_ratio
 
 
 def test_median_ratio_on_off_with_a_bootstrap_interval_of_the_median():

@@ -180,7 +180,9 @@ def test_bench_target_compares_formats_in_one_run(tiny_engine, tmp_path):
     assert list(runs) == ["none", "w8a8", "int4"] and data["reference"] == "none"
     assert runs["none"]["identical_answers"] == 2  # the reference against itself
     for run in runs.values():
-        assert set(run["forward_ms"]) == {"1", "2", "5", "9"} and run["target_only_tokens_per_s_median"] > 0
+        counts = {"1", "2", "5", "9", "16", "32"}
+        assert set(run["forward_ms"]) == counts and run["target_only_tokens_per_s_median"] > 0
+        assert set(run["forward_ms_by_attention"]) == {"row", "fused"} and run["verify_cost_ratio"]["1"] == 1.0
         assert 0 < run["top1_agreement"] <= 1 and run["mean_logprob"] < 0
     assert runs["w8a8"]["weight_bytes"] < runs["none"]["weight_bytes"]
     assert "top1_agreement" in data["definitions"]

@@ -15,12 +15,12 @@ from scipy import stats as scipy_stats
 
 from specdec import drafters as drafters_module
 from specdec import engine as engine_module
-from specdec import heads as heads_module
 from specdec import sampling
 from specdec.build import build_engine, k_policy_factory
 from specdec.drafters import DraftModelDrafter, NGramDrafter
 from specdec.engine import EngineSession, GenerationConfig, SpeculativeEngine, collect
 from specdec.models import build_tiny_random
+from specdec.runner import BatchRunner
 from specdec.sampling import SamplingParams, logits_to_probs
 
 pytestmark = pytest.mark.slow
@@ -63,7 +63,8 @@ def prompt(target, text: str = "hi") -> list[int]:
 
 
 def engine_for(target, factory, k: int) -> SpeculativeEngine:
-    return SpeculativeEngine(target, factory, k_policy_factory(str(k)), auto_off=False)
+    runner = BatchRunner(target.model, target.device)
+    return SpeculativeEngine(target, runner, factory, k_policy_factory(str(k)), auto_off=False)
 
 
 @torch.inference_mode()
@@ -129,7 +130,7 @@ def pit_pvalues(engine: SpeculativeEngine, target, ids: list[int], n: int) -> tu
             for j, tok in enumerate(ev.tokens):
                 u = float(below[pos, tok]) + rng.random() * float(probs[pos, tok])
                 every.append(u)
-                if j == ev.k_drafted == ev.n_accepted > 0:
+                if j == ev.drafted == ev.accepted > 0:
                     bonus.append(u)
                 pos += 1
     assert len(bonus) > n // 4  # enough bonus tokens to test
@@ -137,7 +138,8 @@ def pit_pvalues(engine: SpeculativeEngine, target, ids: list[int], n: int) -> tu
 
 
 def draft_model_factory(model, target, **kw):
-    return lambda: DraftModelDrafter(model, target.device, **kw)
+    runner = BatchRunner(model, target.device)
+    return lambda: DraftModelDrafter(runner, **kw)
 
 
 def gate_at_first_confidence(model, ids: list[int]) -> float:
@@ -160,7 +162,7 @@ def test_confidence_gate_keeps_the_target_joint(target, poor_draft):
     ids = prompt(target)
     gate = gate_at_first_confidence(poor_draft, ids)
     engine = engine_for(target, draft_model_factory(poor_draft, target, min_prob=gate), 3)
-    drafted = {collect(engine.stream(ids, GenerationConfig(4, PARAMS, seed=s)))[1][0].k_drafted for s in range(60)}
+    drafted = {collect(engine.stream(ids, GenerationConfig(4, PARAMS, seed=s)))[1][0].drafted for s in range(60)}
     assert len(drafted) > 1, drafted  # the gate cuts some proposals short and lets others through
     assert chi2_pvalue(sample_pairs(engine, ids, N_PAIRS), exact_pair_probs(target, ids, PARAMS)) > P_FAIL
 
@@ -169,7 +171,7 @@ def test_ngram_drafter_keeps_the_target_joint(target):
     ids = prompt(target, "a b a b a b a b")
     engine = engine_for(target, NGramDrafter, 3)
     _, events = collect(engine.stream(ids, GenerationConfig(2, PARAMS)))
-    assert events[0].k_drafted > 0  # the prompt repeats, so the lookup proposes
+    assert events[0].drafted > 0  # the prompt repeats, so the lookup proposes
     assert chi2_pvalue(sample_pairs(engine, ids, N_PAIRS), exact_pair_probs(target, ids, PARAMS)) > P_FAIL
 
 
@@ -199,8 +201,8 @@ def test_draft_heads_keep_the_target_joint(target, tiny_engine, tiny_heads):
     ids = prompt(target)
     engine = heads_engine(tiny_engine, tiny_heads)
     events = [collect(engine.stream(ids, GenerationConfig(4, PARAMS, seed=s)))[1] for s in range(200)]
-    assert sum(e[1].k_drafted for e in events if len(e) > 1) > 0
-    assert sum(e[1].n_accepted for e in events if len(e) > 1) > 0
+    assert sum(e[1].drafted for e in events if len(e) > 1) > 0
+    assert sum(e[1].accepted for e in events if len(e) > 1) > 0
     assert chi2_pvalue(sample_pairs(engine, ids, N_PAIRS), exact_pair_probs(target, ids, PARAMS)) > P_FAIL
 
 
@@ -214,7 +216,7 @@ def test_whole_answers_with_draft_heads_follow_the_target(target, tiny_engine, t
 
 def test_joint_check_catches_heads_that_record_the_wrong_q(target, tiny_engine, tiny_heads, monkeypatch):
     """Heads that sample their draft from the untempered q but record the tempered one."""
-    monkeypatch.setattr(heads_module, "sample", sample_untempered)
+    monkeypatch.setattr(drafters_module, "sample", sample_untempered)  # heads and draft models draw through it
     ids = prompt(target)
     engine = heads_engine(tiny_engine, tiny_heads, k=1)
     assert chi2_pvalue(sample_pairs(engine, ids, N_PAIRS), exact_pair_probs(target, ids, PARAMS)) < P_FAIL
@@ -225,8 +227,10 @@ def residual_is_p(p, q):
 
 
 def bonus_from_previous_row(real):
-    def broken(drafts, p, q, generator=None):
-        return real(drafts, torch.cat([p[:-1], p[-2:-1]]), q, generator)  # row K replaced by row K − 1
+    def broken(drafts, proposed, p, q, generator=None):
+        if len(p) > 1:  # row K replaced by row K − 1 (a plain step has only row 0)
+            p = torch.cat([p[:-1], p[-2:-1]])
+        return real(drafts, proposed, p, q, generator)
 
     return broken
 
@@ -244,13 +248,13 @@ def test_joint_check_catches_a_broken_sampler(target, poor_draft, monkeypatch, b
     elif broken == "q_recorded_without_temperature":
         monkeypatch.setattr(drafters_module, "sample", sample_untempered)
     else:
-        monkeypatch.setattr(engine_module, "accept_sampled", bonus_from_previous_row(sampling.accept_sampled))
+        monkeypatch.setattr(engine_module, "sampled_verdict", bonus_from_previous_row(sampling.sampled_verdict))
     ids = prompt(target)
     engine = engine_for(target, draft_model_factory(poor_draft, target), 1)
     assert chi2_pvalue(sample_pairs(engine, ids, N_PAIRS), exact_pair_probs(target, ids, PARAMS)) < P_FAIL
 
 
 def test_pit_check_catches_a_bonus_from_the_wrong_row(target, good_draft, monkeypatch):
-    monkeypatch.setattr(engine_module, "accept_sampled", bonus_from_previous_row(sampling.accept_sampled))
+    monkeypatch.setattr(engine_module, "sampled_verdict", bonus_from_previous_row(sampling.sampled_verdict))
     engine = engine_for(target, draft_model_factory(good_draft, target), 3)
     assert pit_pvalues(engine, target, prompt(target), N_ANSWERS)[1] < P_FAIL

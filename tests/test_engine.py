@@ -11,16 +11,17 @@ from specdec.build import IncompatibleDraftError, build_engine, check_pair, k_po
 from specdec.drafters import DraftModelDrafter, NGramDrafter, Proposal
 from specdec.engine import GenerationConfig, PromptError, SpeculativeEngine, collect
 from specdec.kpolicy import AdaptiveK, SpeculationGovernor
-from specdec.kv import PrefixCache, fastest_min_feed
 from specdec.metrics import SpecStats
 from specdec.models import ModelLoadError, check_memory, load_model
+from specdec.runner import BatchRunner, fastest_min_feed
 from specdec.sampling import SamplingParams
 
 PROMPTS = ["hello there", "what is two plus two?", "tell me a story about a cat", "a b a b a b a b", "x"]
 
 
-def make_engine(target, drafter_factory, k="4", **kw):
-    return SpeculativeEngine(target, drafter_factory, k_policy_factory(k), auto_off=False, **kw)
+def make_engine(target, drafter_factory, k="4", min_feed=1, **kw):
+    runner = BatchRunner(target.model, target.device, min_feed=min_feed)
+    return SpeculativeEngine(target, runner, drafter_factory, k_policy_factory(k), auto_off=False, **kw)
 
 
 def target_only(target, prompt_ids, n, sampling=None, seed=0):
@@ -28,8 +29,9 @@ def target_only(target, prompt_ids, n, sampling=None, seed=0):
     return collect(engine.stream(prompt_ids, GenerationConfig(n, sampling or SamplingParams(), seed, False)))[0]
 
 
-def draft_factory(draft):
-    return lambda: DraftModelDrafter(draft.model, draft.device)
+def draft_factory(draft, **kw):
+    runner = BatchRunner(draft.model, draft.device)
+    return lambda: DraftModelDrafter(runner, **kw)
 
 
 @pytest.mark.parametrize("k", ["1", "2", "4", "7", "adaptive"])
@@ -65,7 +67,7 @@ def test_greedy_identical_across_seeds_of_draft_noise(tiny_engine, seed):
 
     target = tiny_engine.target
     draft_model = build_tiny_random(100 + seed)
-    engine = make_engine(target, lambda: DraftModelDrafter(draft_model, target.device), "3")
+    engine = make_engine(target, lambda: DraftModelDrafter(BatchRunner(draft_model, target.device)), "3")
     ids = target.tokenizer.chat_ids([{"role": "user", "content": f"seed {seed} prompt"}])
     assert collect(engine.stream(ids, GenerationConfig(30)))[0] == target_only(target, ids, 30)
 
@@ -84,11 +86,12 @@ def test_vocab_restricted_draft_stays_lossless(tiny_engine):
 @torch.inference_mode()
 def test_cache_rollback_matches_fresh_forward(tiny_engine):
     target = tiny_engine.target
-    cache = PrefixCache(target.model, target.device)
+    cache = BatchRunner(target.model, target.device).new_cache()
     ids = list(range(10, 40))
     cache.extend(ids + [50, 51, 52], n_logits=4)
+    capacity = cache.capacity
     cache.rollback(len(ids) + 1)  # keep one accepted draft, drop two
-    assert cache.tokens == ids + [50] and cache.kv.get_seq_length() == len(ids) + 1
+    assert cache.tokens == ids + [50] and cache.capacity == capacity  # a position moved back, nothing reallocated
     got = cache.extend(ids + [50, 77])[-1]
     fresh = target.model(torch.tensor([ids + [50, 77]])).logits[0, -1]
     assert torch.allclose(got, fresh, atol=1e-4)
@@ -97,14 +100,15 @@ def test_cache_rollback_matches_fresh_forward(tiny_engine):
 @torch.inference_mode()
 def test_padded_single_token_feed_gives_the_unpadded_logits(tiny_engine):
     target = tiny_engine.target
-    plain, padded = PrefixCache(target.model, target.device), PrefixCache(target.model, target.device, min_feed=2)
+    plain = BatchRunner(target.model, target.device).new_cache()
+    padded = BatchRunner(target.model, target.device, min_feed=2).new_cache()
     ids = list(range(10, 30))
     for cache in (plain, padded):
         cache.extend(ids)
     for extra in ([40], [40, 41], [40, 41, 42]):  # one new token is padded, more are fed as they are
         want, got = plain.extend(ids + extra, n_logits=len(extra)), padded.extend(ids + extra, n_logits=len(extra))
         assert got.shape == want.shape and torch.allclose(got, want, atol=1e-4)
-        assert padded.tokens == ids + extra and padded.kv.get_seq_length() == len(ids + extra)  # the pad is gone
+        assert padded.tokens == ids + extra  # the pad is not kept
     # A fully cached sequence is re-fed from its last token, padded too.
     assert torch.allclose(padded.extend(ids + [40, 41, 42])[-1], plain.extend(ids + [40, 41, 42])[-1], atol=1e-4)
 
@@ -116,11 +120,11 @@ def test_greedy_identical_with_confidence_gate(tiny_engine):
         answer = target_only(target, ids, 40)
         conf = torch.softmax(draft.model(torch.tensor([ids + answer])).logits[0, len(ids) - 1 : -1], -1).amax(-1)
     gate = float(conf.median())
-    engine = make_engine(target, lambda: DraftModelDrafter(draft.model, draft.device, min_prob=gate), "4")
+    engine = make_engine(target, draft_factory(draft, min_prob=gate), "4")
     spec, events = collect(engine.stream(ids, GenerationConfig(40)))
     assert spec == answer
     before = [sum(len(e.tokens) for e in events[:i]) for i in range(len(events))]
-    early = [ev.k_drafted for ev, n in zip(events, before) if n < 30]  # later, the token budget also caps K
+    early = [ev.drafted for ev, n in zip(events, before) if n < 30]  # later, the token budget also caps K
     assert min(early) < 4 and max(early) == 4
 
 
@@ -128,10 +132,11 @@ def test_greedy_identical_with_padded_feeds(tiny_engine):
     target, draft = tiny_engine.models
     ids = target.tokenizer.chat_ids([{"role": "user", "content": "tell me a story about a cat"}])
     want = target_only(target, ids, 40)
-    padded_target = dataclasses.replace(target, min_feed=2)
-    for factory in (draft_factory(draft), lambda: DraftModelDrafter(draft.model, draft.device, min_feed=2)):
-        assert collect(make_engine(padded_target, factory).stream(ids, GenerationConfig(40)))[0] == want
-    assert target_only(padded_target, ids, 40) == want
+    padded_draft = BatchRunner(draft.model, draft.device, min_feed=2)
+    for factory in (draft_factory(draft), lambda: DraftModelDrafter(padded_draft)):
+        assert collect(make_engine(target, factory, min_feed=2).stream(ids, GenerationConfig(40)))[0] == want
+    padded_only = make_engine(target, None, min_feed=2)
+    assert collect(padded_only.stream(ids, GenerationConfig(40, speculate=False)))[0] == want
 
 
 @pytest.mark.parametrize("one_row_ms,two_rows_ms,want", [(243, 190, 2), (30, 32, 1)])
@@ -141,27 +146,25 @@ def test_fastest_min_feed_picks_the_faster_width(tiny_engine, monkeypatch, one_r
     clock = {"ms": 0.0}
     cost = {1: one_row_ms, 2: two_rows_ms}
 
-    class TimedModel(torch.nn.Module):
-        def __init__(self, inner):
-            super().__init__()
-            self.inner = inner
+    real_forward = BatchRunner._forward
 
-        def forward(self, input_ids, **kw):
-            clock["ms"] += cost.get(input_ids.shape[1], 0.0)
-            return self.inner(input_ids=input_ids, **kw)
+    def timed_forward(self, feeds, spans, ids, positions):
+        clock["ms"] += cost.get(len(ids), 0.0)
+        return real_forward(self, feeds, spans, ids, positions)
 
-    monkeypatch.setattr("specdec.kv.time.perf_counter", lambda: clock["ms"] / 1000)
-    assert fastest_min_feed(TimedModel(target.model), target.device) == want
+    monkeypatch.setattr(BatchRunner, "_forward", timed_forward)
+    monkeypatch.setattr("specdec.timing.time.perf_counter", lambda: clock["ms"] / 1000)
+    assert fastest_min_feed(BatchRunner(target.model, target.device)) == want
 
 
-def test_adaptive_k_moves_with_acceptance():
+def test_adaptive_k_moves_with_acceptance(step_event):
     high = AdaptiveK(3, 6)
     for _ in range(10):
-        high.observe(high.k, high.k, high.k, draft_s=0.01 * high.k, verify_s=0.2)
+        high.observe(step_event(high.k, high.k, high.k, draft_s=0.01 * high.k, verify_s=0.2))
     assert high.k == 6
     low = AdaptiveK(3, 6)
     for _ in range(10):
-        low.observe(0, low.k, low.k, draft_s=0.1 * low.k, verify_s=0.2)
+        low.observe(step_event(0, low.k, low.k, draft_s=0.1 * low.k, verify_s=0.2))
     assert low.k == 3
 
 
@@ -174,22 +177,22 @@ def test_adaptive_k_runs_in_engine_within_bounds(tiny_engine):
     produced, ks = 0, set()
     for ev in events:
         if 100 - produced > 7:  # near the end the token budget caps K below k_min
-            ks.add(ev.k_planned)
+            ks.add(ev.k_chosen)
         produced += len(ev.tokens)
     assert ks and all(3 <= k <= 6 for k in ks)
 
 
-def test_governor_switches_off_when_measured_slower():
+def test_governor_switches_off_when_measured_slower(step_event):
     gov = SpeculationGovernor(window=4, min_steps=3)
     for _ in range(6):
-        gov.observe(speculative=True, emitted=2, draft_s=0.1, verify_s=0.4)  # 4 tok/s with drafts
+        gov.observe(step_event(1, 1, 1, draft_s=0.1, verify_s=0.4))  # 2 tokens: 4 tok/s with drafts
     assert gov.wants_probe and gov.off_reason == ""  # no target-only step measured yet: ask for one
-    gov.observe(speculative=False, emitted=1, draft_s=0.0, verify_s=0.2)  # 5 tok/s target-only
+    gov.observe(step_event(verify_s=0.2, speculative=False))  # 5 tok/s target-only
     assert "switched off" in gov.off_reason and not gov.wants_probe
     fast = SpeculationGovernor(window=4, min_steps=3)
     for _ in range(6):
-        fast.observe(speculative=True, emitted=4, draft_s=0.05, verify_s=0.2)
-    fast.observe(speculative=False, emitted=1, draft_s=0.0, verify_s=0.2)
+        fast.observe(step_event(3, 3, 3, draft_s=0.05, verify_s=0.2))
+    fast.observe(step_event(verify_s=0.2, speculative=False))
     assert fast.off_reason == "" and not fast.wants_probe
 
 
@@ -201,14 +204,15 @@ def test_engine_reports_auto_off_and_stays_lossless(tiny_engine):
             import time
 
             time.sleep(0.02)
-            return super().propose(context, k, params, generator).__class__([1] * k, None, k)
+            return Proposal.of([1] * k, self.device)
 
-    engine = SpeculativeEngine(target, SlowUselessDrafter, k_policy_factory("4"))
+    engine = make_engine(target, SlowUselessDrafter)
+    engine.auto_off = True
     ids = target.tokenizer.chat_ids([{"role": "user", "content": "hello"}])
     tokens, events = collect(engine.stream(ids, GenerationConfig(40)))
     assert tokens == target_only(target, ids, 40)
     assert any("switched off" in ev.note for ev in events)
-    assert events[-1].k_planned == 0
+    assert events[-1].k_chosen == 0
 
 
 def test_drafter_failing_mid_answer_falls_back_and_keeps_tokens(tiny_engine):
@@ -222,13 +226,14 @@ def test_drafter_failing_mid_answer_falls_back_and_keeps_tokens(tiny_engine):
                 raise RuntimeError("draft server went away")
             return super().propose(context, k, params, generator)
 
-    engine = make_engine(target, lambda: Flaky(draft.model, draft.device), "3")
+    runner = BatchRunner(draft.model, draft.device)
+    engine = make_engine(target, lambda: Flaky(runner), "3")
     ids = target.tokenizer.chat_ids([{"role": "user", "content": "hello there"}])
     tokens, events = collect(engine.stream(ids, GenerationConfig(40)))
     assert tokens == target_only(target, ids, 40)
     assert len(tokens) == 40
     assert any("drafter failed" in ev.note and "draft server went away" in ev.note for ev in events)
-    assert all(ev.k_planned == 0 for ev in events[3:])
+    assert all(ev.k_chosen == 0 for ev in events[3:])
 
 
 def test_speculation_pauses_above_concurrency_limit(tiny_engine):
@@ -236,7 +241,7 @@ def test_speculation_pauses_above_concurrency_limit(tiny_engine):
     engine = make_engine(target, draft_factory(draft), "3", disable_by_batch_size=0)
     ids = target.tokenizer.chat_ids([{"role": "user", "content": "hello"}])
     tokens, events = collect(engine.stream(ids, GenerationConfig(10)))
-    assert all(ev.k_planned == 0 for ev in events) and "paused" in events[0].note
+    assert all(ev.k_chosen == 0 for ev in events) and "paused" in events[0].note
     assert tokens == target_only(target, ids, 10)
 
 
@@ -335,20 +340,18 @@ def test_draft_model_crashing_inside_its_forward_leaves_a_usable_session(tiny_en
 
     target, draft = tiny_engine.models
 
-    class CrashOnce(torch.nn.Module):
-        def __init__(self, inner):
-            super().__init__()
-            self.inner, self.calls = inner, 0
+    class CrashOnce(BatchRunner):
+        calls = 0
 
-        def forward(self, **kw):
+        def _forward(self, *args):
             self.calls += 1
-            out = self.inner(**kw)  # the cache has grown already when the failure hits
+            out = super()._forward(*args)  # the cache was written already when the failure hits
             if self.calls == 4:
                 raise RuntimeError("out of memory in the draft")
             return out
 
-    crashing = CrashOnce(draft.model)
-    engine = make_engine(target, lambda: DraftModelDrafter(crashing, draft.device), "3")
+    crashing = CrashOnce(draft.model, draft.device)
+    engine = make_engine(target, lambda: DraftModelDrafter(crashing), "3")
     session = EngineSession(engine)
     ids = target.tokenizer.chat_ids([{"role": "user", "content": "hello there"}])
     tokens, events = collect(engine.stream(ids, GenerationConfig(20), session=session))
@@ -357,8 +360,11 @@ def test_draft_model_crashing_inside_its_forward_leaves_a_usable_session(tiny_en
     stats = SpecStats()
     tokens, _ = collect(engine.stream(again, GenerationConfig(20), stats=stats, session=session))
     assert tokens == target_only(target, again, 20) and stats.proposed > 0
-    cache = session.drafter.cache
-    assert cache.kv.get_seq_length() == len(cache.tokens)  # the cache still holds exactly what it says
+    cache = session.drafter.cache  # it still holds exactly what it says: its logits are a fresh cache's
+    held = [t for t in cache.tokens if t >= 0]
+    assert held == cache.tokens[: len(held)]
+    fresh = BatchRunner(draft.model, draft.device).new_cache()
+    assert torch.allclose(cache.extend(held + [5]), fresh.extend(held + [5]), atol=1e-4)
 
 
 class RecordingK:
@@ -370,8 +376,9 @@ class RecordingK:
     def next_k(self):
         return self.k
 
-    def observe(self, n_accepted, k_drafted, draft_forwards, draft_s, verify_s):
-        self.seen.append((n_accepted, k_drafted, draft_forwards))
+    def observe(self, event):
+        if event.speculative:
+            self.seen.append((event.accepted, event.drafted, event.draft_forwards))
 
 
 def test_a_draft_forward_that_proposes_nothing_is_still_a_speculative_step(tiny_engine):
@@ -379,17 +386,18 @@ def test_a_draft_forward_that_proposes_nothing_is_still_a_speculative_step(tiny_
     it, and every target forward is in tokens_per_target_forward."""
     target, draft = tiny_engine.models
     policy = RecordingK(4)
-    engine = SpeculativeEngine(
-        target, lambda: DraftModelDrafter(draft.model, draft.device, min_prob=1.01), lambda: policy, auto_off=False
-    )
+    runner = BatchRunner(target.model, target.device)
+    engine = SpeculativeEngine(target, runner, draft_factory(draft, min_prob=1.01), lambda: policy, auto_off=False)
     ids = target.tokenizer.chat_ids([{"role": "user", "content": "hello"}])
     stats = SpecStats()
     tokens, events = collect(engine.stream(ids, GenerationConfig(12), stats=stats))
     assert tokens == target_only(target, ids, 12)
-    assert all(ev.speculative and ev.k_drafted == 0 and ev.draft_forwards == 1 for ev in events[:-1])
-    assert stats.speculative_steps == stats.draft_forwards == len(policy.seen) == 11  # the last step has no room
+    # The gate is decided on the device, so every draft position ran its forward (k of them, fewer near the end).
+    assert all(ev.speculative and ev.drafted == 0 and ev.draft_forwards == ev.k_chosen for ev in events[:-1])
+    assert stats.speculative_steps == len(policy.seen) == 11  # the last step has no room
+    assert stats.draft_forwards == sum(ev.k_chosen for ev in events)
     assert stats.target_forwards == 12 and stats.tokens_per_target_forward == 1.0 and stats.proposed == 0
-    assert policy.seen[0] == (0, 0, 1)
+    assert policy.seen[0] == (0, 0, 4)
 
 
 def test_governor_switches_off_a_drafter_that_only_costs_time(tiny_engine):
@@ -400,9 +408,10 @@ def test_governor_switches_off_a_drafter_that_only_costs_time(tiny_engine):
             import time
 
             time.sleep(0.02)
-            return Proposal([], None, forwards=1)
+            return dataclasses.replace(Proposal.of([], self.device), forwards=1)
 
-    engine = SpeculativeEngine(target, SlowSilentDrafter, k_policy_factory("4"))
+    engine = make_engine(target, SlowSilentDrafter)
+    engine.auto_off = True
     ids = target.tokenizer.chat_ids([{"role": "user", "content": "hello"}])
     tokens, events = collect(engine.stream(ids, GenerationConfig(40)))
     assert tokens == target_only(target, ids, 40)
@@ -424,12 +433,12 @@ def test_drafts_past_eos_are_not_counted(tiny_engine):
     class Oracle(NGramDrafter):
         def propose(self, context, k, params, generator):
             done = len(context) - len(ids)
-            return Proposal(answer[done : done + k], None, forwards=0)
+            return Proposal.of(answer[done : done + k], self.device)
 
     stats = SpecStats()
     tokens, events = collect(make_engine(with_eos, Oracle, "4").stream(ids, GenerationConfig(20), stats=stats))
     assert tokens == answer[: end + 1] and events[-1].finish_reason == "eos"
-    assert [ev.n_accepted for ev in events] == [4, end - 4]
+    assert [ev.accepted for ev in events] == [4, end - 4]
     assert (stats.proposed, stats.accepted, stats.emitted, stats.rejections) == (end, end, end + 1, 0)
 
 

@@ -12,10 +12,12 @@ from conftest import WORDS, heads_engine, tiny_prompts
 
 from app import cli
 from specdec.engine import EngineSession, GenerationConfig, collect
-from specdec.heads import DraftHeads, HeadsDrafter, load_heads, read_heads, save_heads
 from specdec.heads_data import load_shards, shard_path
+from specdec.heads_drafter import HeadsDrafter
+from specdec.heads_file import load_heads, read_heads, save_heads
+from specdec.heads_model import DraftHeads
 from specdec.heads_train import TrainConfig, heads_config, simulated_acceptance, train_heads
-from specdec.kv import PrefixCache
+from specdec.runner import BatchRunner
 from specdec.sampling import SamplingParams
 
 
@@ -39,7 +41,8 @@ def test_the_data_holds_each_position_s_feature(tiny_engine, tiny_data):
 def test_keep_hidden_leaves_the_logits_bit_for_bit(tiny_engine):
     target = tiny_engine.target
     ids = tiny_prompts(target, 1)[0]
-    plain, split = PrefixCache(target.model, target.device), PrefixCache(target.model, target.device)
+    runner = BatchRunner(target.model, target.device)
+    plain, split = runner.new_cache(), runner.new_cache()
     split.keep_hidden = True
     for n in (len(ids) - 3, len(ids)):  # a prefill, then a step of three tokens with logits for all three
         assert torch.equal(plain.extend(ids[:n], n_logits=3), split.extend(ids[:n], n_logits=3))
@@ -54,8 +57,8 @@ def test_greedy_output_with_heads_is_target_only(tiny_engine, tiny_heads):
         plain, _ = collect(engine.stream(ids, GenerationConfig(32, speculate=False)))
         spec, events = collect(engine.stream(ids, GenerationConfig(32)))
         assert spec == plain
-        assert events[0].k_drafted == 0  # the first token comes from the prefill: no features before it
-        accepted += sum(e.n_accepted for e in events)
+        assert events[0].drafted == 0  # the first token comes from the prefill: no features before it
+        accepted += sum(e.accepted for e in events)
     assert accepted > 0  # drafts were accepted, so the accept path ran
 
 
@@ -70,7 +73,7 @@ def test_a_session_keeps_features_across_answers(tiny_engine, tiny_heads):
     plain, _ = collect(engine.stream(second, GenerationConfig(16, speculate=False)))
     spec, events = collect(engine.stream(second, GenerationConfig(16), session=session))
     assert spec == plain
-    assert sum(e.k_drafted for e in events) > 0
+    assert sum(e.drafted for e in events) > 0
 
 
 @pytest.mark.parametrize("tiny_heads", ["eagle"], indirect=True)  # medusa keeps no cache
@@ -84,18 +87,18 @@ def test_eagle_drafts_the_same_with_or_without_its_cache(tiny_engine, tiny_heads
     greedy = SamplingParams()
     for pos in range(s.answer_start + 1, len(s.tokens)):
         held = len(incremental.tokens)
-        incremental.observe(s.tokens[: pos - 1], held, s.features[held : pos - 1])
+        incremental.add_features(s.tokens[: pos - 1], held, s.features[held : pos - 1])
         fresh = HeadsDrafter(heads)
-        fresh.observe(s.tokens[: pos - 1], 0, s.features[: pos - 1])
+        fresh.add_features(s.tokens[: pos - 1], 0, s.features[: pos - 1])
         ctx = s.tokens[:pos]
-        assert incremental.propose(ctx, 3, greedy, None).tokens == fresh.propose(ctx, 3, greedy, None).tokens
+        assert torch.equal(incremental.propose(ctx, 3, greedy, None).tokens, fresh.propose(ctx, 3, greedy, None).tokens)
 
 
 def test_heads_without_features_propose_nothing(tiny_engine, tiny_heads):
     path, _ = tiny_heads
     heads = load_heads(path, tiny_engine.target.model, tiny_engine.target.name)
     proposal = HeadsDrafter(heads).propose([1, 2, 3], 4, SamplingParams(), None)
-    assert proposal.tokens == [] and proposal.forwards == 0
+    assert proposal.tokens.tolist() == [] and proposal.forwards == 0
 
 
 def test_a_failing_observe_keeps_the_answer(tiny_engine, tiny_heads, monkeypatch):
@@ -104,11 +107,11 @@ def test_a_failing_observe_keeps_the_answer(tiny_engine, tiny_heads, monkeypatch
     plain, _ = collect(engine.stream(ids, GenerationConfig(20, speculate=False)))
     calls = []
 
-    def observe(self, tokens, start, hidden):
-        calls.append(start)
+    def observe(self, event, target):
+        calls.append(target.hidden_start)
         if len(calls) == 3:
             raise RuntimeError("heads broke")
-        return real(self, tokens, start, hidden)
+        return real(self, event, target)
 
     real = HeadsDrafter.observe
     monkeypatch.setattr(HeadsDrafter, "observe", observe)
@@ -221,7 +224,7 @@ def test_train_heads_command_writes_heads_and_resumes(tiny_engine, tmp_path, cap
 def test_shipped_heads_fit_the_default_target():
     """The shipped file is what --draft heads loads by default: the right target, under the size budget."""
     from specdec.build import EngineSpec
-    from specdec.heads import default_heads_path
+    from specdec.heads_file import default_heads_path
 
     path = default_heads_path(EngineSpec().target)
     assert path.exists(), f"{path} is not in the checkout"

@@ -8,8 +8,8 @@ import torch
 
 from app import cli
 from specdec.heads_data import load_shards
-from specdec.kv import PrefixCache
 from specdec.layerskip import agreement, skipping
+from specdec.runner import BatchRunner
 
 
 def test_skipping_leaves_the_model_as_it_was(tiny_engine):
@@ -18,7 +18,7 @@ def test_skipping_leaves_the_model_as_it_was(tiny_engine):
     before = model(torch.tensor([ids])).logits
     with skipping(model, {0}):
         assert len(model.get_decoder().layers) == 1
-        cache = PrefixCache(model, tiny_engine.target.device)  # a cached forward works on the shortened stack
+        cache = BatchRunner(model, tiny_engine.target.device).new_cache()  # a cached forward on the shortened stack
         cache.extend(ids[:3])
         skipped = cache.extend(ids, n_logits=2)
         assert not torch.allclose(skipped, before[0, -2:])

@@ -6,10 +6,18 @@ import torch
 
 from specdec.build import build_engine
 from specdec.engine import GenerationConfig, collect
-from specdec.quant import TARGET_QUANTS, Int4WeightLinear, Int8RowLinear, Int8WeightLinear, quantize_linears
+from specdec.quant import (
+    TARGET_QUANTS,
+    Int4WeightLinear,
+    Int8RowLinear,
+    Int8RowLinearFbgemm,
+    Int8WeightLinear,
+    quantize_linears,
+)
 
-LAYERS = {"int8": Int8WeightLinear, "w8a8": Int8RowLinear, "int4": Int4WeightLinear}
+LAYERS = {"int8": Int8WeightLinear, "w8a8": Int8RowLinear, "w8a8-fbgemm": Int8RowLinearFbgemm, "int4": Int4WeightLinear}
 QUANTS = [q for q in TARGET_QUANTS if q != "none"]
+KERNELS = list(LAYERS)  # both w8a8 kernels: the engine picks one by the CPU (quant.w8a8_layer)
 
 
 def _linear(dtype: torch.dtype, bias: bool = True) -> torch.nn.Linear:
@@ -17,7 +25,7 @@ def _linear(dtype: torch.dtype, bias: bool = True) -> torch.nn.Linear:
     return torch.nn.Linear(256, 96, bias=bias).to(dtype)
 
 
-@pytest.mark.parametrize("quant", QUANTS)
+@pytest.mark.parametrize("quant", KERNELS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantized_linear_is_close_to_the_original(quant, dtype):
     linear = _linear(dtype)
@@ -30,7 +38,7 @@ def test_quantized_linear_is_close_to_the_original(quant, dtype):
     assert float((got.float() - want).norm() / want.norm()) < limit
 
 
-@pytest.mark.parametrize("quant", QUANTS)
+@pytest.mark.parametrize("quant", KERNELS)
 def test_a_rows_output_does_not_depend_on_the_other_rows(quant):
     layer = LAYERS[quant](_linear(torch.bfloat16))
     x = torch.randn(17, 256).bfloat16()
@@ -41,9 +49,10 @@ def test_a_rows_output_does_not_depend_on_the_other_rows(quant):
     assert torch.equal(layer(x[None, :5]), alone[None, :5])
 
 
-def test_w8a8_row_scale_is_per_row():
+@pytest.mark.parametrize("layer_type", [Int8RowLinear, Int8RowLinearFbgemm])
+def test_w8a8_row_scale_is_per_row(layer_type):
     """The property that per-tensor dynamic int8 lacks: one large row does not coarsen another row's steps."""
-    layer = Int8RowLinear(_linear(torch.float32, bias=False))
+    layer = layer_type(_linear(torch.float32, bias=False))
     x = torch.randn(2, 256)
     big = x.clone()
     big[1] *= 1000
@@ -71,14 +80,12 @@ def test_speculation_is_lossless_against_the_quantized_target(tiny_engine, quant
 def test_a_verified_token_gets_the_logits_it_gets_decoded_alone(tiny_engine, quant):
     """Bit for bit: with the quantized target and row attention, a forward over several new tokens gives each the
     logits that feeding it alone gives (what makes greedy speculation equal target-only, not merely close)."""
-    from specdec.kv import PrefixCache
-
-    _, target = build_engine(tiny_engine.spec_with(target_quant=quant, draft="none"))
+    engine, _ = build_engine(tiny_engine.spec_with(target_quant=quant, draft="none"))
     tokens = list(range(40, 70))
-    batched = PrefixCache(target.model, target.device)
+    batched = engine.runner.new_cache()
     batched.extend(tokens[:20])
     together = batched.extend(tokens, n_logits=10)
-    alone = PrefixCache(target.model, target.device)
+    alone = engine.runner.new_cache()
     alone.extend(tokens[:20])
     one_by_one = torch.cat([alone.extend(tokens[: 21 + i])[-1:] for i in range(10)])
     assert torch.equal(together, one_by_one)

@@ -16,11 +16,11 @@ from specdec.metrics import SpecStats
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-def expected_spec(fake: FakeVLLM, max_tokens: int) -> SpecStats:
-    """What the in-process engine would have recorded for the fake's plan, via SpecStats.record."""
+def expected_spec(fake: FakeVLLM, max_tokens: int, step_event) -> SpecStats:
+    """What the in-process engine would have recorded for the fake's plan, via SpecStats.observe."""
     spec = SpecStats()
     for _, accepted in fake.plan(max_tokens)[1:]:
-        spec.record(accepted + 1, 0.0, speculative=True, k_drafted=fake.k, n_accepted=accepted)
+        spec.observe(step_event(accepted=accepted, drafted=fake.k))
     return spec
 
 
@@ -59,11 +59,11 @@ def test_counts_chunks_when_the_server_sends_no_usage() -> None:
     assert stats.tokens == len([d for d in deltas if d.text]) == len(fake.plan(1 << 30))
 
 
-def test_acceptance_from_counter_deltas(fake: FakeVLLM) -> None:
+def test_acceptance_from_counter_deltas(fake: FakeVLLM, step_event) -> None:
     llm = OpenAICompatibleLLM(fake.url + "/v1/")  # either spelling of the base URL
     run(llm)  # a first reply moves the counters, so the second must be measured by difference
     _, stats, _ = run(llm)
-    want = expected_spec(fake, 1 << 30)
+    want = expected_spec(fake, 1 << 30, step_event)
     got = stats.spec
     assert (got.proposed, got.accepted, got.speculative_steps, got.target_forwards, got.emitted) == (
         want.proposed,
@@ -89,10 +89,10 @@ def test_max_tokens_limits_the_reply_and_the_counters() -> None:
         assert stats.spec.speculative_steps == len(fake.plan(10)) - 1
 
 
-def test_counters_without_total_suffix_are_read_too() -> None:
+def test_counters_without_total_suffix_are_read_too(step_event) -> None:
     with FakeVLLM(total_suffix=False) as fake:
         _, stats, _ = run(OpenAICompatibleLLM(fake.url))
-        assert stats.spec.proposed == expected_spec(fake, 1 << 30).proposed > 0
+        assert stats.spec.proposed == expected_spec(fake, 1 << 30, step_event).proposed > 0
 
 
 def test_other_traffic_in_the_counters_is_noted() -> None:

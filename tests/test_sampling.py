@@ -15,10 +15,10 @@ from specdec.metrics import (
 )
 from specdec.sampling import (
     SamplingParams,
-    accept_greedy,
-    accept_sampled,
+    greedy_verdict,
     logits_to_probs,
     residual_distribution,
+    sampled_verdict,
 )
 
 
@@ -53,11 +53,19 @@ def test_residual_is_normalised_positive_part():
 
 
 @pytest.mark.parametrize(
-    "drafts,argmax,expected",
-    [([1, 2, 3], [1, 2, 3, 9], (3, 9)), ([1, 2, 3], [1, 5, 3, 9], (1, 5)), ([1], [4, 8], (0, 4)), ([], [7], (0, 7))],
+    "drafts,proposed,argmax,expected",
+    [
+        ([1, 2, 3], 3, [1, 2, 3, 9], [3, 9]),
+        ([1, 2, 3], 3, [1, 5, 3, 9], [1, 5]),
+        ([1], 1, [4, 8], [0, 4]),
+        ([], 0, [7], [0, 7]),
+        ([1, 2, 3], 1, [1, 2, 3, 9], [1, 2]),  # the gate let one count: the target's token after it, not a bonus
+    ],
 )
-def test_accept_greedy(drafts, argmax, expected):
-    assert accept_greedy(drafts, argmax) == expected
+def test_greedy_verdict(drafts, proposed, argmax, expected):
+    logits = torch.nn.functional.one_hot(torch.tensor(argmax), 10).float()
+    verdict = greedy_verdict(torch.tensor(drafts, dtype=torch.long), torch.tensor(proposed), logits)
+    assert verdict.tolist() == expected
 
 
 def _simulate(p_rows, q_rows, deterministic, n=40000, seed=0):
@@ -70,7 +78,7 @@ def _simulate(p_rows, q_rows, deterministic, n=40000, seed=0):
         else:
             draft = int(torch.multinomial(q_rows[0], 1, generator=g))
             q = q_rows
-        n_acc, nxt = accept_sampled([draft], p_rows, q, g)
+        n_acc, nxt = sampled_verdict(torch.tensor([draft]), torch.tensor(1), p_rows, q, g).tolist()
         counts[draft if n_acc == 1 else nxt] += 1
     return counts / n
 
@@ -111,7 +119,21 @@ def test_a_wrong_acceptance_rule_is_detected():
 def test_bonus_token_sampled_from_last_target_row_when_all_accepted():
     p = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
     q = torch.tensor([[0.0, 1.0, 0.0]])
-    assert accept_sampled([1], p, q, torch.Generator().manual_seed(0)) == (1, 2)
+    assert sampled_verdict(torch.tensor([1]), torch.tensor(1), p, q, torch.Generator().manual_seed(0)).tolist() == [
+        1,
+        2,
+    ]
+
+
+def test_after_the_gate_the_next_token_comes_from_the_target_not_the_residual():
+    """Two drafts, the gate counts one: the second is never judged, so the token after the first comes from p[1]
+    (half 0, half 1), not from the residual of p[1] against q[1] (always 1)."""
+    p = torch.tensor([[0.0, 1.0, 0.0], [0.5, 0.5, 0.0], [0.0, 0.0, 1.0]])
+    q = torch.tensor([[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    g = torch.Generator().manual_seed(0)
+    verdicts = [sampled_verdict(torch.tensor([1, 0]), torch.tensor(1), p, q, g).tolist() for _ in range(400)]
+    assert all(n == 1 for n, _ in verdicts)
+    assert 150 < sum(nxt == 0 for _, nxt in verdicts) < 250
 
 
 def test_expected_speedup_formulas():
@@ -125,12 +147,12 @@ def test_expected_speedup_formulas():
     assert math.isclose(expected_acceptance_rate(alpha, 4), 0.74, abs_tol=1e-6)
 
 
-def test_spec_stats_definitions():
+def test_spec_stats_definitions(step_event):
     s = SpecStats()
-    s.record(5, 0.2, speculative=True, k_drafted=4, n_accepted=4, draft_s=0.1, draft_forwards=4)
-    s.record(2, 0.2, speculative=True, k_drafted=4, n_accepted=1, draft_s=0.1, draft_forwards=4)
-    s.record(1, 0.3)  # a plain target step: counts as a target forward, not as a speculative one
-    s.record(1, 0.2, speculative=True, draft_s=0.02, draft_forwards=1)  # the gate stopped before the first draft
+    s.observe(step_event(accepted=4, drafted=4, forwards=4, draft_s=0.1, verify_s=0.2))
+    s.observe(step_event(accepted=1, drafted=4, forwards=4, draft_s=0.1, verify_s=0.2))
+    s.observe(step_event(verify_s=0.3, speculative=False))  # a plain step: a target forward, not a speculative one
+    s.observe(step_event(forwards=1, draft_s=0.02, verify_s=0.2))  # the gate stopped before the first draft
     assert s.draft_acceptance_rate == 5 / 8
     assert s.tokens_per_target_forward == 9 / 4
     assert (s.target_forwards, s.speculative_steps, s.draft_forwards) == (4, 3, 9)
@@ -140,16 +162,16 @@ def test_spec_stats_definitions():
     assert math.isclose(s.draft_cost_ratio, (0.22 / 9) / (0.6 / 3))
 
 
-def test_spec_stats_merge_adds_every_counter():
+def test_spec_stats_merge_adds_every_counter(step_event):
     a, b, both = SpecStats(), SpecStats(), SpecStats()
     steps = [
-        (a, (5, 0.2), dict(speculative=True, k_drafted=4, n_accepted=4, draft_s=0.1, draft_forwards=4)),
-        (b, (2, 0.1), dict(speculative=True, k_drafted=6, n_accepted=1, draft_s=0.3, draft_forwards=6)),
-        (b, (1, 0.3), {}),
+        (a, step_event(accepted=4, drafted=4, forwards=4, draft_s=0.1, verify_s=0.2)),
+        (b, step_event(accepted=1, drafted=6, forwards=6, draft_s=0.3, verify_s=0.1)),
+        (b, step_event(verify_s=0.3, speculative=False)),
     ]
-    for stats, args, kw in steps:
-        stats.record(*args, **kw)
-        both.record(*args, **kw)
+    for stats, event in steps:
+        stats.observe(event)
+        both.observe(event)
     a.merge(b)
     assert a == both
 

@@ -3,7 +3,6 @@ to the same answer alone, joining and leaving between steps, cancel and failures
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 
 import pytest
@@ -11,10 +10,9 @@ import torch
 from conftest import heads_engine, tiny_prompts
 from test_engine import draft_factory, make_engine, target_only
 
-from specdec.build import build_engine
 from specdec.drafters import DraftModelDrafter
 from specdec.engine import EngineSession, GenerationConfig, StepEvent, collect
-from specdec.kv import PrefixCache
+from specdec.kv import PENDING
 from specdec.metrics import expected_tokens_per_step
 from specdec.runner import BatchRunner, Feed
 from specdec.sampling import SamplingParams
@@ -29,9 +27,7 @@ from specdec.scheduler import (
 
 
 def batched_engine(target, drafter_factory, k="3", **kw):
-    engine = make_engine(target, drafter_factory, k, **kw)
-    engine.runner = BatchRunner(target.model, target.device)
-    return engine
+    return make_engine(target, drafter_factory, k, **kw)
 
 
 def run_together(scheduler, prompts, configs, sessions=None):
@@ -57,30 +53,41 @@ def test_runner_logits_match_transformers(tiny_engine):
     runner = BatchRunner(target.model, target.device)
     a, b, c = tiny_prompts(target, 3, seed=5)
     caches = [runner.new_cache() for _ in range(3)]
-    refs = [PrefixCache(target.model, target.device) for _ in range(3)]
+
+    def reference(ids, n):  # transformers' own forward over the whole sequence
+        with torch.inference_mode():
+            return target.model(input_ids=torch.tensor([ids])).logits[0, -n:]
+
     feeds = [(a, 3), (b, 1), (c + [7, 8], 2)]
     got = runner.extend([Feed(cache, ids, n) for cache, (ids, n) in zip(caches, feeds)])
-    for out, ref, (ids, n) in zip(got, refs, feeds):
+    for out, (ids, n) in zip(got, feeds):
         assert out.shape == (n, target.model.config.vocab_size)
-        torch.testing.assert_close(out, ref.extend(ids, n), rtol=1e-4, atol=1e-4)
-    # the next step: one sequence rolls back drafts, one decodes, one verifies three
+        torch.testing.assert_close(out, reference(ids, n), rtol=1e-4, atol=1e-4)
+    # the next step: one sequence rolls back drafts, one decodes, one verifies three (fed from the device)
     feeds = [(a[:-2] + [9], 1), (b + [4], 1), (c + [7, 5, 6, 1], 4)]
-    got = runner.extend([Feed(cache, ids, n) for cache, (ids, n) in zip(caches, feeds)])
-    for out, ref, (ids, n) in zip(got, refs, feeds):
-        torch.testing.assert_close(out, ref.extend(ids, n), rtol=1e-4, atol=1e-4)
-        assert ref.tokens == ids
+    got = runner.extend(
+        [
+            Feed(caches[0], feeds[0][0]),
+            Feed(caches[1], feeds[1][0]),
+            Feed(caches[2], c + [7], 4, torch.tensor([5, 6, 1])),
+        ]
+    )
+    for out, (ids, n) in zip(got, feeds):
+        torch.testing.assert_close(out, reference(ids, n), rtol=1e-4, atol=1e-4)
+    assert caches[0].tokens == feeds[0][0] and caches[2].tokens == c + [7, PENDING, PENDING, PENDING]
 
 
-def test_runner_keeps_hidden_states_like_the_prefix_cache(tiny_engine):
+def test_runner_keeps_the_last_hidden_states_of_what_it_fed(tiny_engine):
     target = tiny_engine.target
     runner = BatchRunner(target.model, target.device)
     a, b = tiny_prompts(target, 2, seed=6)
-    mine, other, ref = runner.new_cache(), runner.new_cache(), PrefixCache(target.model, target.device)
-    mine.keep_hidden = ref.keep_hidden = True
+    mine, other = runner.new_cache(), runner.new_cache()
+    mine.keep_hidden = True
     runner.extend([Feed(other, b), Feed(mine, a)])
-    ref.extend(a)
-    assert mine.hidden_start == ref.hidden_start == 0
-    torch.testing.assert_close(mine.hidden, ref.hidden, rtol=1e-4, atol=1e-4)
+    with torch.inference_mode():
+        ref = target.model(input_ids=torch.tensor([a]), output_hidden_states=True).hidden_states[-1][0]
+    assert mine.hidden_start == 0
+    torch.testing.assert_close(mine.hidden, ref, rtol=1e-4, atol=1e-4)
     assert other.hidden is None
 
 
@@ -91,7 +98,7 @@ def test_runner_grows_its_cache_and_resets_after_a_failed_forward(tiny_engine):
     cache = runner.new_cache()
     for n in range(300, len(long), 97):
         cache.extend(long[:n])
-    assert len(cache.tokens) == len(long[:n]) and cache.kv[0][0].shape[1] >= n
+    assert len(cache.tokens) == len(long[:n]) and cache.capacity >= n
     with pytest.raises(IndexError):
         runner.extend([Feed(cache, long + [10**9])])  # an id past the vocabulary fails inside the forward
     assert cache.tokens == []
@@ -112,7 +119,7 @@ def test_every_answer_in_a_batch_equals_the_answer_alone(tiny_engine, sampled):
         assert alone[0] == target_only(target, prompts[0], 30)
     sizes = {ev.batch_size for _, events in together for ev in events}
     assert max(sizes) == 4 and min(sizes) == 1  # the answers really shared forwards, and left at their own ends
-    assert any(ev.n_accepted for _, events in together for ev in events)
+    assert any(ev.accepted for _, events in together for ev in events)
 
 
 def test_heads_drafters_in_a_batch_read_their_own_hidden_states(tiny_engine, tiny_heads):
@@ -121,10 +128,9 @@ def test_heads_drafters_in_a_batch_read_their_own_hidden_states(tiny_engine, tin
     prompts = tiny_prompts(target, 3, seed=9)
     configs = [GenerationConfig(24)] * 3
     expected = [target_only(target, p, 24) for p in prompts]
-    engine.runner = BatchRunner(target.model, target.device)
     results = run_together(BatchScheduler(engine), prompts, configs)
     assert [tokens for tokens, _ in results] == expected
-    assert any(ev.n_accepted for _, events in results for ev in events)
+    assert any(ev.accepted for _, events in results for ev in events)
 
 
 def test_answers_join_and_leave_between_steps_and_sessions_carry_over(tiny_engine):
@@ -180,7 +186,8 @@ class Broken(DraftModelDrafter):
 
 def test_a_failing_drafter_costs_only_its_own_answer_nothing(tiny_engine):
     target, draft = tiny_engine.models
-    engine = batched_engine(target, lambda: Broken(draft.model, draft.device))
+    runner = BatchRunner(draft.model, draft.device)
+    engine = batched_engine(target, lambda: Broken(runner))
     prompts = tiny_prompts(target, 2, seed=13)
     results = run_together(BatchScheduler(engine), prompts, [GenerationConfig(30)] * 2)
     assert [tokens for tokens, _ in results] == [target_only(target, p, 30) for p in prompts]
@@ -203,8 +210,8 @@ def test_speculation_is_disabled_by_batch_size_with_vllm_meaning(tiny_engine):
     lengths = [8, 30, 30]  # three at first, two once the first has finished
     results = run_together(BatchScheduler(engine), prompts, [GenerationConfig(n) for n in lengths])
     events = [ev for _, evs in results for ev in evs]
-    assert all(ev.k_planned == 0 for ev in events if ev.batch_size > 2)
-    assert any(ev.k_planned > 0 for ev in events if ev.batch_size <= 2)
+    assert all(ev.k_chosen == 0 for ev in events if ev.batch_size > 2)
+    assert any(ev.k_chosen > 0 for ev in events if ev.batch_size <= 2)
     assert any("--speculative-disable-by-batch-size 2" in ev.note for ev in events)
     assert [tokens for tokens, _ in results] == [target_only(target, p, n) for p, n in zip(prompts, lengths)]
 
@@ -259,9 +266,9 @@ def test_a_gated_drafter_is_asked_only_for_the_drafts_it_proposes():
     Measured per position, asking for more than one brings nothing but drafting time, so the choice stops at one."""
     gated = LoadEstimate.geometric(0.9, draft_s=0.002)
     for i in range(40):
-        step = StepEvent(step=i, tokens=[1], from_draft=[], speculative=True, k_planned=4, drafted=[7])
+        step = StepEvent(step=i, tokens=[1], from_draft=[], speculative=True, k_chosen=4, draft_tokens=[7])
         step.draft_seconds = 0.008
-        step.n_accepted = i % 2
+        step.accepted = i % 2
         gated.observe(step)
     assert gated.proposed[0] > 0.95 and gated.proposed[1] < 0.05 and 0.3 < gated.accepted[0] < 0.7
     assert gated.tokens(4) == pytest.approx(gated.tokens(1), abs=0.05)
@@ -293,9 +300,9 @@ def test_load_aware_scheduler_stays_lossless_and_reports_its_ks(tiny_engine):
     results = run_together(scheduler, prompts, [GenerationConfig(n) for n in lengths])
     assert [tokens for tokens, _ in results] == [target_only(target, p, n) for p, n in zip(prompts, lengths)]
     events = [ev for _, evs in results for ev in evs]
-    assert all(ev.k_planned <= 4 for ev in events)
-    assert any(ev.k_planned > 0 for ev in events if ev.batch_size == 1)
-    assert any(ev.k_planned == 0 for ev in events if ev.batch_size == 4)  # past the ridge: plain steps
+    assert all(ev.k_chosen <= 4 for ev in events)
+    assert any(ev.k_chosen > 0 for ev in events if ev.batch_size == 1)
+    assert any(ev.k_chosen == 0 for ev in events if ev.batch_size == 4)  # past the ridge: plain steps
 
 
 def test_an_answer_may_opt_out_of_the_load_aware_k(tiny_engine):
@@ -310,8 +317,8 @@ def test_an_answer_may_opt_out_of_the_load_aware_k(tiny_engine):
     for session, prompt in zip(sessions, prompts):  # no step carries a prefill, next to which drafts look cheap
         session.prefill(prompt[:-1])
     (aware, aware_events), (own, own_events) = run_together(scheduler, prompts, configs, sessions)
-    assert all(ev.k_planned == 0 for ev in aware_events)
-    assert any(ev.k_planned == 3 for ev in own_events)
+    assert all(ev.k_chosen == 0 for ev in aware_events)
+    assert any(ev.k_chosen == 3 for ev in own_events)
     assert [aware, own] == [target_only(target, p, 20) for p in prompts]
 
 
@@ -340,12 +347,6 @@ def test_background_load_runs_and_stops(tiny_engine):
     assert scheduler.active == 0 and load.count == 0 and not errors and set(seen) == {0, 1}
     with pytest.raises(ValueError):
         load.set(-1)
-
-
-def test_build_engine_batched_gives_runner_sessions(tiny_engine):
-    engine, _ = build_engine(dataclasses.replace(tiny_engine.spec, batched=True))
-    assert engine.runner is not None
-    assert isinstance(EngineSession(engine).target, type(engine.runner.new_cache()))
 
 
 def test_an_unexpected_failure_ends_the_answers_in_the_step_not_the_scheduler(tiny_engine):

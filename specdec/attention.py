@@ -1,0 +1,55 @@
+"""Attention over one sequence's KV cache, and the rotary embedding it needs.
+
+Two ways, chosen by what the target needs (BatchRunner's exact_rows):
+- causal_attention: one fused SDPA call per sequence with the causal mask offset by the cached length, softmax in
+  float32. Fast; a row's last bits may depend on how many rows were fed with it.
+- row_attention: one query row at a time, each over exactly the keys it may see. A fused kernel blocks its sums by
+  how many rows it is given, so a token verified among K others comes out a last bit different from the same token
+  decoded alone; a quantized layer then rounds that bit into a whole int8 step now and then and greedy output
+  leaves the target-only path. Row by row, each row's matmuls have the shapes of decoding it alone: bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding in the rotate-half form (Qwen2, Llama) of x [..., rows, dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def rotary_cos_sin(positions: torch.Tensor, dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """cos and sin [rows, dim] of the rotary angles at `positions` (rows,), for rotate()."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=positions.device) / dim)
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    angles = torch.cat([angles, angles], -1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [heads, rows, dim], the last `rows` positions of keys/values [kv_heads, seen, dim] → [rows, heads, dim].
+    Row i sees the keys up to seen − rows + i (the cached ones and the new rows before it)."""
+    rows, seen = q.shape[1], keys.shape[1]
+    mask = torch.ones(rows, seen, dtype=torch.bool, device=q.device).tril(seen - rows)
+    out = F.scaled_dot_product_attention(
+        q.float(), keys.float(), values.float(), attn_mask=mask, scale=scale, enable_gqa=True
+    )
+    return out.to(q.dtype).transpose(0, 1)
+
+
+def row_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """causal_attention's result computed one query row at a time (bit-identical to decoding each row alone)."""
+    n_heads, rows, dim = q.shape
+    kv_heads, seen = keys.shape[0], keys.shape[1]
+    grouped = q.view(kv_heads, n_heads // kv_heads, rows, dim)  # query heads grouped by the KV head they share
+    out = q.new_empty(rows, n_heads, dim)
+    for i in range(rows):
+        visible = seen - rows + i + 1
+        k, v = keys[:, :visible], values[:, :visible]
+        weights = torch.softmax(torch.matmul(grouped[:, :, i], k.transpose(-1, -2)).float() * scale, dim=-1)
+        out[i] = torch.matmul(weights.to(v.dtype), v).reshape(n_heads, dim)  # [kv_heads, group, dim]
+    return out

@@ -1,0 +1,115 @@
+"""Drafting with draft heads (heads_model.py) from the target's features, which the engine hands over after every
+target forward through observe(). Features live in a preallocated buffer, as the eagle layer's keys and values do:
+nothing grows by concatenation per step."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .drafters import Proposal, choose_drafts, confident_count
+from .heads_model import DraftHeads, EagleCache
+from .sampling import SamplingParams
+from .tokenizer import common_prefix_length
+
+if TYPE_CHECKING:
+    from .engine import StepEvent
+    from .kv import SequenceCache
+
+# --draft-min-prob's default for heads: none. With verification nearly flat (the w8a8 target's 1 … 5-token forwards
+# within 15% of each other, docs/results.md, engine core), a draft the gate would drop costs next to nothing:
+# bench on the 20 voice prompts gave 1.19× with no gate at K = 3 against 1.02× with the earlier 0.5 (chosen when
+# each verified draft cost 10–17% of a forward).
+HEADS_MIN_PROB = 0.0
+
+
+class HeadsDrafter:
+    """Drafts from the target's features: eagle autoregressively on its own one-layer cache, medusa in one step.
+
+    min_prob: the confidence gate (drafters.confident_count), as for a draft model.
+    """
+
+    def __init__(self, heads: DraftHeads, min_prob: float = 0.0) -> None:
+        self.kind = "heads"
+        self.reads_target_hidden = True
+        self.heads = heads
+        self.min_prob = min_prob
+        self.tokens: list[int] = []  # the conversation the target has verified; features[j] belongs to tokens[j]
+        self.device = heads.vocab_ids.device
+        self.features = torch.zeros(256, heads.cfg.hidden, device=self.device)
+        self.eagle: EagleCache | None = None
+        if heads.eagle is not None:  # slots 1 …, each computed from true features
+            self.eagle = EagleCache(heads.cfg.n_kv_heads, heads.eagle.head_dim, self.device)
+        self.slot_tokens: list[int] = []  # eagle: t_j of each cached slot j (tokens[1:] when all are current)
+
+    def prefill(self, ids: list[int]) -> None:
+        pass  # features come with the target's forwards, through observe()
+
+    def rollback(self, length: int) -> None:
+        del self.tokens[length:]
+        self._crop_slots(max(0, length - 1))
+
+    def observe(self, event: StepEvent, target: SequenceCache) -> None:
+        assert target.hidden is not None, "keep_hidden was off for that forward"
+        kept = len(target.tokens) - target.hidden_start
+        self.add_features(list(target.tokens), target.hidden_start, target.hidden[:kept])
+
+    def add_features(self, tokens: list[int], start: int, hidden: torch.Tensor) -> None:
+        """The target now holds `tokens`; `hidden` are its features at positions start … len(tokens) − 1."""
+        end = start + len(hidden)
+        if end > len(self.features):
+            grown = torch.zeros(2 * end, self.heads.cfg.hidden, device=self.device)
+            grown[:start] = self.features[:start]
+            self.features = grown
+        self.features[start:end] = hidden.float()
+        self.tokens = list(tokens)
+        self._crop_slots(start)  # slot j reads f_{j−1}: the slots up to `start` read unchanged features
+
+    def _crop_slots(self, n: int) -> None:
+        del self.slot_tokens[n:]
+        if self.eagle is not None:
+            self.eagle.length = len(self.slot_tokens)
+
+    @torch.inference_mode()
+    def propose(
+        self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
+    ) -> Proposal:
+        last = len(context) - 1  # the newest token, t_L: the target has not fed it yet
+        if last < 1 or len(self.tokens) < last or common_prefix_length(self.tokens, context) < last:
+            return Proposal.of([], self.device)  # no features for this context yet (the first step is the prefill)
+        if self.heads.medusa is not None:
+            f = self.features[last - 1]  # its own LM head gives t_L; block i gives t_{L+1+i}
+            sub = torch.stack([self.heads.lm(block(f)) for block in list(self.heads.medusa)[:k]])
+            tokens, tops, q = choose_drafts(sub, self.heads.vocab_ids, self.heads.cfg.vocab_size, params, generator)
+            return Proposal(tokens, confident_count(tops, self.min_prob), q, forwards=1)
+        return self._eagle(context, last, k, params, generator)
+
+    def _eagle(
+        self, context: list[int], last: int, k: int, params: SamplingParams, generator: torch.Generator | None
+    ) -> Proposal:
+        heads, layer, cache = self.heads, self.heads.eagle, self.eagle
+        assert layer is not None and cache is not None
+        self._crop_slots(common_prefix_length(self.slot_tokens, context[1:]))
+        first = len(self.slot_tokens) + 1  # the first slot to compute; slots first … last read true features
+        ids = torch.tensor([context[first : last + 1]], device=self.device)
+        feats = self.features[first - 1 : last].unsqueeze(0)
+        positions = torch.arange(first, last + 1, device=self.device)
+        pred = layer(heads.embed_tokens(ids), feats, positions, cache)[0, -1]
+        self.slot_tokens = context[1 : last + 1]
+        drafts, tops, probs = [], [], []
+        for i in range(k):
+            token, top, q = choose_drafts(
+                heads.lm(pred)[None], heads.vocab_ids, heads.cfg.vocab_size, params, generator
+            )
+            drafts.append(token)
+            tops.append(top)
+            if q is not None:
+                probs.append(q)
+            if i + 1 < k:  # the next slot reads this draft and the feature predicted for its position
+                pos = torch.tensor([last + 1 + i], device=self.device)
+                pred = layer(heads.embed_tokens(token.view(1, 1)), pred.view(1, 1, -1), pos, cache)[0, -1]
+        cache.length = len(self.slot_tokens)  # the draft slots go: they read predicted features
+        return Proposal(
+            torch.cat(drafts), confident_count(torch.cat(tops), self.min_prob), torch.cat(probs) if probs else None, k
+        )

@@ -1,0 +1,174 @@
+"""Draft heads, the model: small blocks that draft from the target's own last hidden states instead of running a
+second model.
+
+A feature f_j is the target's last hidden state at position j (the input of its LM head, which turns it into the
+logits for token j + 1). Two kinds, chosen between by measurement (docs/results.md, "Draft heads"):
+
+- eagle (EAGLE-style): one small decoder layer reads slot j = (embedding of token t_j, feature f_{j-1}) and
+  predicts f_j; the target's LM head rows for a frequent-token vocabulary turn that into a draft for t_{j+1}. The next
+  slot reads (the draft, the predicted feature), so drafting runs autoregressively on a KV cache of its own.
+- medusa (Medusa-style): one residual block per future position over the last true feature, all in one step.
+
+The heads never decide what is emitted: the target verifies every draft, so output stays the target's. The file
+format is heads_file.py, drafting heads_drafter.py, the data heads_data.py, training heads_train.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import rotary_cos_sin, rotate
+
+HEAD_KINDS = ("eagle", "medusa")
+
+
+@dataclass(frozen=True)
+class HeadsConfig:
+    kind: str  # "eagle" or "medusa"
+    hidden: int  # the target's hidden size
+    vocab_size: int  # the target's full vocabulary
+    intermediate: int = 2048  # eagle: the layer's MLP width
+    n_heads: int = 12  # eagle: attention heads (of hidden / n_heads dims)
+    n_kv_heads: int = 2
+    rope_theta: float = 1e6
+    rms_eps: float = 1e-6
+    n_medusa: int = 4  # medusa: future positions, one block each
+    target: str = ""  # the model the heads were trained on
+
+    def __post_init__(self) -> None:
+        if self.kind not in HEAD_KINDS:
+            raise ValueError(f"heads kind must be one of {', '.join(HEAD_KINDS)}, got {self.kind!r}")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class EagleLayer(nn.Module):
+    """fc(token embedding ⊕ feature) → one pre-norm decoder layer (GQA attention with RoPE, SwiGLU) → norm."""
+
+    def __init__(self, cfg: HeadsConfig) -> None:
+        super().__init__()
+        h, self.head_dim = cfg.hidden, cfg.hidden // cfg.n_heads
+        self.cfg = cfg
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.attn_norm = RMSNorm(h, cfg.rms_eps)
+        self.q = nn.Linear(h, cfg.n_heads * self.head_dim)
+        self.k = nn.Linear(h, cfg.n_kv_heads * self.head_dim)
+        self.v = nn.Linear(h, cfg.n_kv_heads * self.head_dim)
+        self.o = nn.Linear(cfg.n_heads * self.head_dim, h, bias=False)
+        self.mlp_norm = RMSNorm(h, cfg.rms_eps)
+        self.gate = nn.Linear(h, cfg.intermediate, bias=False)
+        self.up = nn.Linear(h, cfg.intermediate, bias=False)
+        self.down = nn.Linear(cfg.intermediate, h, bias=False)
+        self.out_norm = RMSNorm(h, cfg.rms_eps)
+
+    def qkv(self, emb: torch.Tensor, feat: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The residual stream x and rotated q, k and v of slots (B, T) at `positions`."""
+        x = self.fc(torch.cat([emb, feat], dim=-1))
+        a = self.attn_norm(x)
+        b, t, _ = a.shape
+        q = self.q(a).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = self.k(a).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = self.v(a).view(b, t, -1, self.head_dim).transpose(1, 2)
+        cos, sin = rotary_cos_sin(positions, self.head_dim, self.cfg.rope_theta, q.dtype)
+        return x, rotate(q, cos, sin), rotate(k, cos, sin), v
+
+    def finish(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """Attention output (B, heads, T, d) → residual, MLP, output norm: the predicted features (B, T, H)."""
+        b, _, t, _ = attended.shape
+        x = x + self.o(attended.transpose(1, 2).reshape(b, t, -1))
+        m = self.mlp_norm(x)
+        x = x + self.down(F.silu(self.gate(m)) * self.up(m))
+        return self.out_norm(x)
+
+    def forward(
+        self, emb: torch.Tensor, feat: torch.Tensor, positions: torch.Tensor, cache: EagleCache | None = None
+    ) -> torch.Tensor:
+        """Predicted features for slots (B, T) that follow the cache's slots (causal among themselves); the cache, if
+        given, keeps their keys and values."""
+        x, q, k, v = self.qkv(emb, feat, positions)
+        if cache is not None:
+            k, v = cache.append(k, v)
+        t, s = q.shape[2], k.shape[2]
+        mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t)
+        attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return self.finish(x, attended)
+
+
+class EagleCache:
+    """The eagle layer's keys and values (1, kv_heads, slots, head_dim), preallocated and grown by doubling;
+    `length` slots are valid, and moving it back drops the rest."""
+
+    def __init__(self, kv_heads: int, head_dim: int, device: torch.device, capacity: int = 256) -> None:
+        self.keys = torch.zeros(1, kv_heads, capacity, head_dim, device=device)
+        self.values = torch.zeros_like(self.keys)
+        self.length = 0
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write slots after `length`; the keys and values of every slot up to them."""
+        end = self.length + k.shape[2]
+        if end > self.keys.shape[2]:
+            capacity = self.keys.shape[2]
+            while capacity < end:
+                capacity *= 2
+            self.keys, self.values = (
+                torch.cat([t, t.new_zeros(*t.shape[:2], capacity - t.shape[2], t.shape[3])], dim=2)
+                for t in (self.keys, self.values)
+            )
+        self.keys[:, :, self.length : end] = k
+        self.values[:, :, self.length : end] = v
+        self.length = end
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+
+class ResBlock(nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(hidden, hidden)
+        nn.init.zeros_(self.linear.weight)  # starts as the identity: head k begins as the target's own next-token head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.silu(self.linear(x))
+
+
+class DraftHeads(nn.Module):
+    """The trained part (eagle layer or medusa blocks) plus what it borrows from the target at load time: the token
+    embedding table and the LM head rows of `vocab_ids`, the vocabulary drafts are drawn from."""
+
+    vocab_ids: torch.Tensor
+
+    def __init__(self, cfg: HeadsConfig, vocab_ids: torch.Tensor) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.register_buffer("vocab_ids", vocab_ids.long(), persistent=False)
+        self.eagle = EagleLayer(cfg) if cfg.kind == "eagle" else None
+        self.medusa = nn.ModuleList(ResBlock(cfg.hidden) for _ in range(cfg.n_medusa)) if cfg.kind == "medusa" else None
+        self.lm = nn.Linear(cfg.hidden, len(vocab_ids), bias=False).requires_grad_(False)
+        # The target's own embedding table, held outside the module tree: not ours to train, move or store.
+        self._embed: tuple[nn.Module, ...] = ()
+
+    def trained_state(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in self.state_dict().items() if not k.startswith("lm.")}
+
+    def attach(self, embed: nn.Module, lm_weight: torch.Tensor) -> None:
+        """Borrow the target's embedding table, and copy its LM head rows for vocab_ids (from float weights: call
+        before the target is quantized)."""
+        self._embed = (embed,)
+        with torch.no_grad():
+            self.lm.weight.copy_(lm_weight[self.vocab_ids.to(lm_weight.device)].float())
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        assert self._embed, "attach() the target first"
+        with torch.no_grad():
+            return self._embed[0](tokens).float()

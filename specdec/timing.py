@@ -1,0 +1,34 @@
+"""One clock for everything the engine times: a device-synchronized wall clock, so GPU work queued before a read
+is counted where it ran (on the CPU the sync is a no-op)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def sync(device: torch.device) -> None:
+    """Wait for queued device work, so that a clock read after it times the work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def clock(device: torch.device) -> float:
+    """Seconds (perf_counter) once the device has finished what was queued."""
+    sync(device)
+    return time.perf_counter()
+
+
+def median_seconds(run: Callable[[], object], device: torch.device, repeats: int = 5, warmup: int = 1) -> float:
+    """Median seconds of run() over `repeats` timed calls, after `warmup` untimed ones (kernel selection)."""
+    for _ in range(warmup):
+        run()
+    times = []
+    for _ in range(repeats):
+        t0 = clock(device)
+        run()
+        times.append(clock(device) - t0)
+    return statistics.median(times)
