@@ -19,11 +19,12 @@ from pipeline.llm import SYSTEM_PROMPT
 from pipeline.options import add_engine_arguments, positive_int, spec_from_args
 from specdec.bench import read_prompts
 from specdec.build import build_engine
+from specdec.cost_grid import ForwardCosts, measure_forward_costs
 from specdec.engine import GenerationConfig, SpeculativeEngine, StepEvent
 from specdec.kpolicy import FixedK
 from specdec.metrics import DEFINITIONS, alpha_from_acceptance_rate
 from specdec.models import estimate_bytes
-from specdec.scheduler import BackgroundLoad, BatchScheduler, ForwardCosts, measure_forward_costs
+from specdec.scheduler import BackgroundLoad, BatchScheduler
 
 MODES = ("off", "k4", "load_aware")
 FIXED_K = 4

@@ -13,10 +13,11 @@ import numpy as np
 
 from specdec.bench import read_prompts
 from specdec.build import EngineSpec, build_engine
+from specdec.cost_grid import cached_forward_costs
 from specdec.engine import EngineSession, GenerationConfig
 from specdec.models import asset_path
 from specdec.sampling import SamplingParams
-from specdec.scheduler import BackgroundLoad, BatchScheduler, measure_forward_costs
+from specdec.scheduler import BackgroundLoad, BatchScheduler
 from specdec.tokenizer import shared_prefix_ids
 
 from .asr import DEFAULT_BEAM_SIZE, DEFAULT_WINDOW_S, StreamingTranscriber, Transcriber
@@ -249,7 +250,8 @@ class VoiceAgent:
         progress(3)
         if self.scheduler is not None and self.config.engine.load_aware:
             assert self.engine is not None  # a scheduler implies the engine
-            self.scheduler.costs = measure_forward_costs(self.engine, trials=1)  # the ridge, measured here (~30 s)
+            # the ridge, measured here once per machine, model and format (~30 s), then read from the cache
+            self.scheduler.costs, _ = cached_forward_costs(self.engine)
         conv = self.new_conversation()
         for step, speculation in enumerate((False, True), start=4):
             progress(step)

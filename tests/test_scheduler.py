@@ -10,20 +10,14 @@ import torch
 from conftest import heads_engine, tiny_prompts
 from test_engine import draft_factory, make_engine, target_only
 
+from specdec.cost_grid import ForwardCosts, cached_forward_costs, measure_forward_costs
 from specdec.drafters import DraftModelDrafter
 from specdec.engine import EngineSession, GenerationConfig, StepEvent, collect
 from specdec.kv import PENDING
 from specdec.metrics import expected_tokens_per_step
 from specdec.runner import BatchRunner, Feed
 from specdec.sampling import SamplingParams
-from specdec.scheduler import (
-    BackgroundLoad,
-    BatchScheduler,
-    ForwardCosts,
-    LoadEstimate,
-    choose_ks,
-    measure_forward_costs,
-)
+from specdec.scheduler import BackgroundLoad, BatchScheduler, LoadEstimate, choose_ks
 
 
 def batched_engine(target, drafter_factory, k="3", **kw):
@@ -242,6 +236,28 @@ def test_measured_forward_costs_cover_the_grid_and_never_fall_with_more_tokens(t
     assert costs.batches == [1, 3] and costs.per_sequence == [1, 4]
     assert all(row[0] <= row[1] and row[0] > 0 for row in costs.seconds)
     assert all(s <= m for row, measured in zip(costs.seconds, costs.measured) for s, m in zip(row, measured))
+
+
+def test_the_grid_is_measured_once_per_machine_model_and_format(tiny_engine, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECVOICE_CACHE", str(tmp_path))
+    target, draft = tiny_engine.models
+    engine = batched_engine(target, None)
+    measured = []
+    real = measure_forward_costs
+
+    def counting(engine, trials=1):
+        measured.append(engine.runner)
+        return real(engine, batches=(1, 2), per_sequence=(1, 2), trials=trials)
+
+    monkeypatch.setattr("specdec.cost_grid.measure_forward_costs", counting)
+    first, cached = cached_forward_costs(engine)
+    again, cached_again = cached_forward_costs(engine)
+    assert (cached, cached_again) == (False, True) and again == first and len(measured) == 1
+    padded = make_engine(target, None, min_feed=2)  # another way of feeding the same model: another grid
+    assert cached_forward_costs(padded)[1] is False and len(measured) == 2
+    for path in (tmp_path / "forward-costs").iterdir():
+        path.write_text("{torn")  # a torn file is measured again, not a crash
+    assert cached_forward_costs(engine)[1] is False and len(measured) == 3
 
 
 def test_choose_ks_drafts_while_the_forward_is_memory_bound_and_stops_past_the_ridge():
