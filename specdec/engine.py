@@ -252,6 +252,7 @@ class SpeculativeEngine:
         return events  # type: ignore[return-value]
 
     def _verify(self, live: list[tuple[int, Answer, int | None]], events: list[StepEvent | None]) -> None:
+        """Draft for every live answer, verify all in one forward, read the verdicts once, conclude each."""
         drafts = [self._draft(answer, len(live), cap) for _, answer, cap in live]
         feeds = [Feed(a.cache, a.ctx, self._n_rows(d), self._draft_tokens(d)) for (_, a, _), d in zip(live, drafts)]
         t0 = clock(self.target.device)
