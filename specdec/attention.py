@@ -30,11 +30,15 @@ def rotary_cos_sin(positions: torch.Tensor, dim: int, theta: float, dtype: torch
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
+def causal_mask(rows: int, seen: int, device: torch.device) -> torch.Tensor:
+    """[rows, seen] True where row i may attend: the keys up to seen − rows + i (the cached ones, the new rows up to
+    its own)."""
+    return torch.ones(rows, seen, dtype=torch.bool, device=device).tril(seen - rows)
+
+
 def causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [heads, rows, dim], the last `rows` positions of keys/values [kv_heads, seen, dim] → [rows, heads, dim].
-    Row i sees the keys up to seen − rows + i (the cached ones and the new rows before it)."""
-    rows, seen = q.shape[1], keys.shape[1]
-    mask = torch.ones(rows, seen, dtype=torch.bool, device=q.device).tril(seen - rows)
+    """q [heads, rows, dim], the last `rows` positions of keys/values [kv_heads, seen, dim] → [rows, heads, dim]."""
+    mask = causal_mask(q.shape[1], keys.shape[1], q.device)
     out = F.scaled_dot_product_attention(
         q.float(), keys.float(), values.float(), attn_mask=mask, scale=scale, enable_gqa=True
     )

@@ -35,6 +35,19 @@ class Proposal:
         ids = torch.tensor(tokens, dtype=torch.long, device=device)
         return cls(ids, torch.tensor(len(tokens), device=device), None, 0)
 
+    @classmethod
+    def gated(
+        cls,
+        drafts: list[torch.Tensor],
+        tops: list[torch.Tensor],
+        probs: list[torch.Tensor],
+        min_prob: float,
+        forwards: int,
+    ) -> Proposal:
+        """Drafts chosen position by position (choose_drafts), counted up to the confidence gate (confident_count)."""
+        q = torch.cat(probs) if probs else None
+        return cls(torch.cat(drafts), confident_count(torch.cat(tops), min_prob), q, forwards)
+
 
 class Drafter(Protocol):
     """Proposes tokens for the target to verify; verification and acceptance live in the engine."""
@@ -142,9 +155,7 @@ class DraftModelDrafter:
                 probs.append(q)
             if i + 1 < k:  # the last draft needs no forward of its own
                 logits = self.cache.extend(context + [PENDING] * i, drafts=token)
-        tokens = torch.cat(drafts)
-        proposed = confident_count(torch.cat(tops), self.min_prob)
-        return Proposal(tokens, proposed, torch.cat(probs) if probs else None, max(1, k))
+        return Proposal.gated(drafts, tops, probs, self.min_prob, forwards=max(1, k))
 
     def prefill(self, ids: list[int]) -> None:
         self.cache.extend(ids)

@@ -8,8 +8,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .drafters import Proposal, choose_drafts, confident_count
+from .drafters import Proposal, choose_drafts
 from .heads_model import DraftHeads, EagleCache
+from .kv import grown
 from .sampling import SamplingParams
 from .tokenizer import common_prefix_length
 
@@ -37,7 +38,7 @@ class HeadsDrafter:
         self.min_prob = min_prob
         self.tokens: list[int] = []  # the conversation the target has verified; features[j] belongs to tokens[j]
         self.device = heads.vocab_ids.device
-        self.features = torch.zeros(256, heads.cfg.hidden, device=self.device)
+        self.features = torch.zeros(0, heads.cfg.hidden, device=self.device)
         self.eagle: EagleCache | None = None
         if heads.eagle is not None:  # slots 1 …, each computed from true features
             self.eagle = EagleCache(heads.cfg.n_kv_heads, heads.eagle.head_dim, self.device)
@@ -58,10 +59,7 @@ class HeadsDrafter:
     def add_features(self, tokens: list[int], start: int, hidden: torch.Tensor) -> None:
         """The target now holds `tokens`; `hidden` are its features at positions start … len(tokens) − 1."""
         end = start + len(hidden)
-        if end > len(self.features):
-            grown = torch.zeros(2 * end, self.heads.cfg.hidden, device=self.device)
-            grown[:start] = self.features[:start]
-            self.features = grown
+        self.features = grown(self.features, 0, end)
         self.features[start:end] = hidden.float()
         self.tokens = list(tokens)
         self._crop_slots(start)  # slot j reads f_{j−1}: the slots up to `start` read unchanged features
@@ -82,7 +80,7 @@ class HeadsDrafter:
             f = self.features[last - 1]  # its own LM head gives t_L; block i gives t_{L+1+i}
             sub = torch.stack([self.heads.lm(block(f)) for block in list(self.heads.medusa)[:k]])
             tokens, tops, q = choose_drafts(sub, self.heads.vocab_ids, self.heads.cfg.vocab_size, params, generator)
-            return Proposal(tokens, confident_count(tops, self.min_prob), q, forwards=1)
+            return Proposal.gated([tokens], [tops], [] if q is None else [q], self.min_prob, forwards=1)
         return self._eagle(context, last, k, params, generator)
 
     def _eagle(
@@ -110,6 +108,4 @@ class HeadsDrafter:
                 pos = torch.tensor([last + 1 + i], device=self.device)
                 pred = layer(heads.embed_tokens(token.view(1, 1)), pred.view(1, 1, -1), pos, cache)[0, -1]
         cache.length = len(self.slot_tokens)  # the draft slots go: they read predicted features
-        return Proposal(
-            torch.cat(drafts), confident_count(torch.cat(tops), self.min_prob), torch.cat(probs) if probs else None, k
-        )
+        return Proposal.gated(drafts, tops, probs, self.min_prob, forwards=k)

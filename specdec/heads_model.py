@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import rotary_cos_sin, rotate
+from .attention import causal_mask, rotary_cos_sin, rotate
+from .kv import grown
 
 HEAD_KINDS = ("eagle", "medusa")
 
@@ -100,8 +101,7 @@ class EagleLayer(nn.Module):
         x, q, k, v = self.qkv(emb, feat, positions)
         if cache is not None:
             k, v = cache.append(k, v)
-        t, s = q.shape[2], k.shape[2]
-        mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t)
+        mask = causal_mask(q.shape[2], k.shape[2], q.device)
         attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return self.finish(x, attended)
 
@@ -110,22 +110,15 @@ class EagleCache:
     """The eagle layer's keys and values (1, kv_heads, slots, head_dim), preallocated and grown by doubling;
     `length` slots are valid, and moving it back drops the rest."""
 
-    def __init__(self, kv_heads: int, head_dim: int, device: torch.device, capacity: int = 256) -> None:
-        self.keys = torch.zeros(1, kv_heads, capacity, head_dim, device=device)
+    def __init__(self, kv_heads: int, head_dim: int, device: torch.device) -> None:
+        self.keys = torch.zeros(1, kv_heads, 0, head_dim, device=device)
         self.values = torch.zeros_like(self.keys)
         self.length = 0
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write slots after `length`; the keys and values of every slot up to them."""
         end = self.length + k.shape[2]
-        if end > self.keys.shape[2]:
-            capacity = self.keys.shape[2]
-            while capacity < end:
-                capacity *= 2
-            self.keys, self.values = (
-                torch.cat([t, t.new_zeros(*t.shape[:2], capacity - t.shape[2], t.shape[3])], dim=2)
-                for t in (self.keys, self.values)
-            )
+        self.keys, self.values = grown(self.keys, 2, end), grown(self.values, 2, end)
         self.keys[:, :, self.length : end] = k
         self.values[:, :, self.length : end] = v
         self.length = end

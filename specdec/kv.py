@@ -17,12 +17,27 @@ MIN_CAPACITY = 256  # positions a sequence first allocates; doubled as it grows
 PENDING = -1  # a cached position whose token is still on the device (a draft fed before the step's one read)
 
 
+def grown(t: torch.Tensor, dim: int, needed: int) -> torch.Tensor:
+    """t itself if it has room for `needed` along dim, else a zero-filled copy with the room doubled until it does
+    (MIN_CAPACITY at least): growing a few positions a step then costs amortized O(1), never a copy per step."""
+    size = t.shape[dim]
+    if needed <= size:
+        return t
+    capacity = max(MIN_CAPACITY, size)
+    while capacity < needed:
+        capacity *= 2
+    out = t.new_zeros(t.shape[:dim] + (capacity,) + t.shape[dim + 1 :])
+    out.narrow(dim, 0, size).copy_(t)
+    return out
+
+
 class SequenceCache:
     def __init__(self, runner: BatchRunner) -> None:
         self.runner = runner
         self.tokens: list[int] = []  # what positions 0 … len − 1 hold (PENDING where not yet read back)
-        self.keys: list[torch.Tensor] = []  # per layer [kv_heads, capacity, dim]
-        self.values: list[torch.Tensor] = []
+        empty = (runner.kv_heads, 0, runner.head_dim)  # per layer [kv_heads, capacity, dim], allocated by reserve
+        self.keys = [torch.zeros(empty, dtype=runner.dtype, device=runner.device) for _ in range(runner.n_layers)]
+        self.values = [torch.zeros_like(k) for k in self.keys]
         # keep_hidden: each forward also keeps the last hidden states (the LM head's input) of the positions it
         # fed, hidden[i] at position hidden_start + i, for a drafter that reads them (draft heads)
         self.keep_hidden = False
@@ -31,7 +46,7 @@ class SequenceCache:
 
     @property
     def capacity(self) -> int:
-        return self.keys[0].shape[1] if self.keys else 0
+        return self.keys[0].shape[1]
 
     def reset(self) -> None:
         self.tokens = []
@@ -56,18 +71,5 @@ class SequenceCache:
         return self.runner.extend([Feed(self, tokens, n_logits, drafts)])[0]
 
     def reserve(self, length: int) -> None:
-        if length <= self.capacity:
-            return
-        capacity = max(MIN_CAPACITY, self.capacity)
-        while capacity < length:
-            capacity *= 2
-        r = self.runner
-        old = self.capacity
-        for store in (self.keys, self.values):
-            for layer in range(r.n_layers):
-                grown = torch.zeros((r.kv_heads, capacity, r.head_dim), dtype=r.dtype, device=r.device)
-                if old:
-                    grown[:, :old] = store[layer]
-                    store[layer] = grown
-                else:
-                    store.append(grown)
+        self.keys = [grown(k, 1, length) for k in self.keys]
+        self.values = [grown(v, 1, length) for v in self.values]
