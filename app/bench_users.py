@@ -377,7 +377,7 @@ def main(args: argparse.Namespace) -> int:
     options.port = options.port or free_port()
     limit = options.max_concurrent_answers
     server = app_server.AppServer(config, options)
-    tail_s = config.hangover_ms / 1000 + TAIL_MARGIN_S
+    tail_s = config.turn_end.longest_ms / 1000 + TAIL_MARGIN_S
 
     with serving(server) as url:
         server.loader.finished.wait()

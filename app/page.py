@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     import gradio
 
 STATIC_DIR = Path(__file__).parent / "static"
+K_CHOICES = tuple(range(1, 9))  # the K menu's fixed values, beside "adaptive"
 
 
 def _definition(name: str) -> str:
@@ -22,7 +23,7 @@ def _definition(name: str) -> str:
 
 
 def controls_html(max_text_chars: int, max_ab_repeats: int, max_background: int) -> str:
-    k_options = "".join(f'<option value="{k}">{k}</option>' for k in ("adaptive", *map(str, range(1, 9))))
+    k_options = "".join(f'<option value="{k}">{k}</option>' for k in ("adaptive", *map(str, K_CHOICES)))
     return f"""
 <div class="sv-card" id="sv-status-card">
   <div id="model-status" class="sv-status">Connecting…</div>
@@ -108,7 +109,29 @@ def panels_html() -> str:
     <div class="sv-value"><span id="k-chosen">–</span></div>{_definition("k_chosen")}</div>
 </div>
 <div class="sv-card"><h3>Where the TTFA went <small id="waterfall-mode"></small></h3>
-  <div id="waterfall"></div><div class="sv-legend">{legend}</div></div>
+  <div id="waterfall"></div><div id="ttfa-saved" class="sv-sub"></div><div id="early-answers" class="sv-sub"></div>
+  <div class="sv-legend">{legend}</div></div>
+<div class="sv-card" id="sv-story"><h3>Why speculation pays here, or not</h3>
+  <div class="sv-plots">
+    <div><canvas id="plot-verify" width="460" height="200"></canvas>
+      <div id="verify-costs" class="sv-sub"></div>{_definition("verify_cost_curve")}</div>
+    <div>
+      <div class="sv-metric"><div class="sv-label">predicted speedup</div>
+        <div class="sv-value"><span id="speedup-predicted">–</span></div>
+        <div id="speedup-inputs" class="sv-sub"></div>{_definition("predicted_speedup")}</div>
+      <div class="sv-metric"><div class="sv-label">measured speedup</div>
+        <div class="sv-value"><span id="speedup-measured">–</span></div>
+        <div id="speedup-rates" class="sv-sub"></div>{_definition("measured_speedup")}</div>
+    </div>
+  </div>
+  <p class="sv-story">Speculation lets one target forward check K drafted tokens at once. That pays when the forward
+    costs about what a one-token step costs: a memory-bound target (a GPU serving one user) spends each forward
+    reading its weights, however many tokens it feeds, so v(n) stays near 1 and the speedup approaches the tokens per
+    forward E. A compute-bound target (this CPU's int8 matrix multiplies, or a GPU under a large batch) pays arithmetic
+    for every token it feeds, so v(n) climbs towards n: each verified draft costs a fraction of a forward, drafts pay
+    less, and rejected ones are pure cost. The curve is this machine's, measured at start; the predicted speedup
+    puts it together with your turns' acceptance, the measured one is what your turns got.</p>
+</div>
 <div class="sv-plots">
   <div class="sv-card"><h3>This answer, per target step</h3><canvas id="plot-steps" width="460" height="200">
     </canvas></div>

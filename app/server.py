@@ -188,8 +188,24 @@ class ModelLoader:
                 k=self.config.engine.k,
                 temperature=self.config.temperature,
                 engine=self.describe(),
+                forward_costs=self.forward_costs(),
             )
         return status
+
+    def forward_costs(self) -> dict | None:
+        """The forward-cost grid measured at warm-up, for the page's verify-cost curve and predicted speedup: the
+        batch-1 forward in ms by tokens fed (n = 1 + K for every K an answer may draft, interpolated between the
+        measured sizes as the load-aware K reads them), and the whole grid. None without one (a remote LLM, or the
+        load-aware K off)."""
+        scheduler = self.agent.scheduler if self.agent else None
+        if scheduler is None or scheduler.costs is None:
+            return None
+        e = self.config.engine
+        k_most = max(*page.K_CHOICES, e.k_max, int(e.k) if e.k.isdigit() else 0)
+        return {
+            "batch1_ms": [1000 * scheduler.costs(1, n) for n in range(1, k_most + 2)],
+            "grid": scheduler.costs.as_dict(),
+        }
 
     def describe(self) -> dict:
         """The configuration in words, for the page. Its defaults are the measured fastest (docs/results.md)."""
@@ -202,7 +218,9 @@ class ModelLoader:
             "asr": f"{c.asr_model}, beam {c.asr_beam_size}, {window}",
             "tts": c.tts,
             "k": e.k,
-            "hangover_ms": c.hangover_ms,
+            "end_of_turn": c.turn_end.describe(),
+            "preemptive": c.preemptive,
+            "prefill_while_speaking": c.prefill_while_speaking,
             "first_chunk_words": c.first_chunk_words,
         }
 

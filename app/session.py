@@ -24,6 +24,7 @@ from app.stats import paired_ratio
 from pipeline.agent import Conversation, TurnResult, ab_order
 from pipeline.audio import SAMPLE_RATE, resample
 from pipeline.mic import MicInput
+from pipeline.preemptive import Hold
 from pipeline.timeline import Timeline
 from specdec.engine import DRAFTER_KINDS
 
@@ -142,7 +143,9 @@ class ClientSession:
         self._cancel = threading.Event()
         self._queued: Callable[[threading.Event], None] | None = None  # the turn asked for while the models load
         self.playing_until = 0.0  # perf_counter time the browser should finish playing what it was sent
-        self.mic = MicInput(self.send, self.interrupt, self._voice_turn, server.options.max_turn_s)
+        self.mic = MicInput(
+            self.send, self.interrupt, self._voice_turn, server.options.max_turn_s, self._early_turn, self._conversation
+        )
 
     # ---- sending (any thread)
 
@@ -342,12 +345,21 @@ class ClientSession:
             self.playing_until = 0.0
             self.send({"type": "flush", "reason": reason})
 
-    def start_turn(self, text: str, timeline: Timeline, kind: str, audio: np.ndarray | None = None) -> None:
+    def start_turn(
+        self, text: str, timeline: Timeline, kind: str, audio: np.ndarray | None = None, hold: Hold | None = None
+    ) -> None:
         self.last_utterance, self.last_utterance_audio = text, audio
-        self._start_worker(lambda cancel: self._turn_job(text, timeline, kind, cancel))
+        self._start_worker(lambda cancel: self._turn_job(text, timeline, kind, cancel, hold))
 
-    def _voice_turn(self, transcript: str, timeline: Timeline, audio: np.ndarray | None) -> None:
-        self.start_turn(transcript, timeline, "voice", audio)
+    def _early_turn(self, words: str, timeline: Timeline, hold: Hold) -> None:
+        """The user paused: answer what they said so far, held until their turn ends with the same words."""
+        self.start_turn(words, timeline, "voice", hold=hold)
+
+    def _voice_turn(self, transcript: str, timeline: Timeline, audio: np.ndarray | None, answered: bool) -> None:
+        if answered:  # the early answer on these words is this turn's answer
+            self.last_utterance, self.last_utterance_audio = transcript, audio
+        else:
+            self.start_turn(transcript, timeline, "voice", audio)
 
     def _start_worker(self, job: Callable[[threading.Event], None]) -> None:
         """Run job on a new thread after the previous answer of this tab was cancelled and has finished; while the
@@ -393,8 +405,9 @@ class ClientSession:
             self._start_worker(job)
 
     def _conversation(self) -> Conversation:
-        if self.conv is None:
-            self.conv = self.server.loader.agent.new_conversation()
+        with self._lock:  # the mic's thread (prefill while speaking) and answers both ask for it
+            if self.conv is None:
+                self.conv = self.server.loader.agent.new_conversation()
         changes = {
             k: v
             for k, v in self.settings.items()
@@ -421,19 +434,28 @@ class ClientSession:
         cancel: threading.Event,
         remember: bool = True,
         replay: np.ndarray | None = None,
+        hold: Hold | None = None,
         **extra,
-    ) -> dict:
-        """Answer text, or with replay: that recording, replayed in real time through VAD and ASR first."""
+    ) -> dict | None:
+        """Answer text, or with replay: that recording, replayed in real time through VAD and ASR first. With hold
+        (an early answer): nothing is sent until the turn is confirmed; None when it was discarded."""
         agent = self.server.loader.agent
         conv = self._conversation()
         turn = next(self._ids)
         self._timelines[turn] = timeline
-        self.send({"type": "turn", "turn": turn, "kind": kind, "speculation": speculation, "transcript": text, **extra})
+        announce = {"type": "turn", "turn": turn, "kind": kind, "speculation": speculation, "transcript": text}
+        if hold is None:
+            self.send({**announce, **extra})
+        else:
+            hold.post(lambda: self.send({**announce, **extra, "early": True}))
         stream = TurnStream(self, turn, stream_audio=kind != "ab")
         if replay is None:
-            result = agent.respond(conv, text, timeline, speculation, stream, cancel, remember)
+            result = agent.respond(conv, text, timeline, speculation, stream, cancel, remember, hold)
         else:
-            result = agent.turn_from_recording(conv, replay, speculation, stream, cancel, remember, timeline)
+            result = agent.turn_from_recording(conv, replay, speculation, stream, cancel, remember)
+            self._timelines[turn] = result.timeline
+        if result.discarded:
+            return None
         return self._record(turn, kind, result, **extra)
 
     def _record(self, turn: int, kind: str, result: TurnResult, **extra) -> dict:
@@ -457,7 +479,7 @@ class ClientSession:
         self.send({"type": "done", "turn": turn, "data": data})
         return data
 
-    def _guarded(self, body: Callable[[], None]) -> None:
+    def _guarded(self, body: Callable[[], object]) -> None:
         """Run an answer under the server-wide limit, turning failures into one message."""
         if not self.server.slots.try_acquire():
             self.send({"type": "busy", "message": self.server.slots.busy_message()})
@@ -471,8 +493,10 @@ class ClientSession:
         finally:
             self.server.slots.release()
 
-    def _turn_job(self, text: str, timeline: Timeline, kind: str, cancel: threading.Event) -> None:
-        self._guarded(lambda: self._answer(text, timeline, self.settings["speculation"], kind, cancel))
+    def _turn_job(
+        self, text: str, timeline: Timeline, kind: str, cancel: threading.Event, hold: Hold | None = None
+    ) -> None:
+        self._guarded(lambda: self._answer(text, timeline, self.settings["speculation"], kind, cancel, hold=hold))
 
     def _ab_job(self, text: str, audio: np.ndarray | None, repeats: int, cancel: threading.Event) -> None:
         def body() -> None:
@@ -487,9 +511,11 @@ class ClientSession:
                     if cancel.is_set() or self.closed:
                         break
                     agent.rewind(self._conversation())  # every run starts from the same KV state
-                    runs[spec] = self._answer(
+                    run = self._answer(
                         text, Timeline(), spec, "ab", cancel, remember=False, replay=audio, ab=ab, ab_repeat=rep
                     )
+                    assert run is not None  # only an early answer is ever discarded
+                    runs[spec] = run
                 if len(runs) < 2:
                     break
                 pairs.append({"repeat": rep, "off": _ab_run(runs[False]), "on": _ab_run(runs[True])})

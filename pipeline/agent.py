@@ -20,12 +20,15 @@ from specdec.sampling import SamplingParams
 from specdec.scheduler import BackgroundLoad, BatchScheduler
 from specdec.tokenizer import shared_prefix_ids
 
-from .asr import DEFAULT_BEAM_SIZE, DEFAULT_WINDOW_S, StreamingTranscriber, Transcriber
-from .audio import SAMPLE_RATE, AudioError
+from .asr import DEFAULT_BEAM_SIZE, DEFAULT_WINDOW_S, Transcriber
+from .audio import SAMPLE_RATE
 from .chunker import SpeechChunker
+from .listener import Notify, StartEarly, TurnListener
 from .llm import SYSTEM_PROMPT, EngineLLM, LLMStage, ReplyStats
+from .preemptive import ChildCancel, Hold
 from .timeline import Timeline
 from .tts import TTS, make_tts
+from .turn_end import TurnEnd
 from .vad import FRAME, EndOfTurnDetector, VadEvent
 
 log = logging.getLogger("specvoice.agent")
@@ -43,7 +46,9 @@ class AgentConfig:
     asr_beam_size: int = DEFAULT_BEAM_SIZE
     asr_window_s: float | None = DEFAULT_WINDOW_S  # None: Whisper's full 30 s window
     tts: str = "hibari"
-    hangover_ms: float = 300.0  # silence after the last voiced frame that ends the user's turn
+    turn_end: TurnEnd = field(default_factory=TurnEnd)  # the silence after the last voiced frame that ends a turn
+    preemptive: bool = True  # start the answer at the pause, held until the turn is confirmed
+    prefill_while_speaking: bool = True  # prefill the user's words from the partial transcripts as they come
     first_chunk_words: int = 3  # measured: 3 words cut the first-chunk stage from 770 to 568 ms (w8a8)
     max_new_tokens: int = 80
     history_turns: int = 4  # user/assistant pairs kept in the prompt
@@ -66,6 +71,7 @@ class TurnResult:
     sample_rate: int
     cancelled: bool = False
     wasted_tokens: int = 0  # generated but never spoken (barge-in)
+    discarded: bool = False  # an early answer thrown away before its turn ended: nothing of it was sent
 
     def to_dict(self) -> dict:
         spec = self.stats.spec
@@ -86,6 +92,8 @@ class TurnResult:
             "rejected_draft_tokens": spec.proposed - spec.accepted,
             "wasted_tokens": self.wasted_tokens,
             "cancelled": self.cancelled,
+            "saved_ms": tl["saved_ms"],
+            "prefilled_while_speaking_tokens": self.stats.prefilled_while_speaking_tokens,
             "notes": self.stats.notes,
             "audio_seconds": sum(len(a) for a in self.audio) / self.sample_rate,
         }
@@ -96,57 +104,43 @@ def ab_order(index: int) -> tuple[bool, bool]:
     return (False, True) if index % 2 == 0 else (True, False)
 
 
-class TurnListener:
-    """VAD and streaming ASR over one user turn, fed as audio arrives (microphone or replayed file)."""
-
-    def __init__(self, transcriber: Transcriber, hangover_ms: float, asr_interval_s: float = 1.0) -> None:
-        self.vad = EndOfTurnDetector(hangover_ms=hangover_ms)
-        # A whisper call costs ~0.5 s here whatever the length (it pads to 30 s). Partials every second leave
-        # the ASR thread idle half the time, so the call started when the speaker pauses can begin at once.
-        self.asr = StreamingTranscriber(transcriber, interval_s=asr_interval_s)
-        self.started = False
-        self._was_paused = False
-
-    def feed(self, chunk16k: np.ndarray, t_start: float) -> VadEvent | None:
-        """Feed audio whose first sample was captured at t_start (perf_counter clock). Returns end_of_turn."""
-        self.asr.feed(chunk16k)
-        for ev in self.vad.feed(chunk16k, t_start):
-            if ev.kind == "speech_start":
-                self.started = True
-            elif ev.kind == "end_of_turn":
-                return ev
-        if self.vad.paused and not self._was_paused:
-            self.asr.speech_paused()
-        self._was_paused = self.vad.paused
-        return None
-
-    def stop(self) -> VadEvent | None:
-        """The audio stopped before the VAD ended the turn (push-to-talk released, length limit): end it now."""
-        return next((ev for ev in self.vad.finish() if ev.kind == "end_of_turn"), None)
-
-    def finish(self, end: VadEvent | None, timeline: Timeline) -> str:
-        """The turn's final transcript, its end stamped on timeline; AudioError when there is nothing to answer."""
-        if end is None:
-            raise AudioError("no speech detected")
-        timeline.mark("speech_end", end.last_voiced_t)
-        timeline.mark("end_of_turn", end.decided_t)
-        text = self.asr.finish(trailing_silence_s=end.decided_t - end.last_voiced_t).strip()
-        timeline.mark("asr_final", time.perf_counter())
-        if not text:
-            raise AudioError("speech was detected but nothing intelligible was transcribed")
-        return text
-
-    def close(self) -> None:
-        self.asr.close()
-
-
 class Conversation:
     """One user's dialogue: bounded history and (for the in-process engine) KV caches kept between turns."""
 
     def __init__(self, agent: VoiceAgent) -> None:
         self.history: list[dict[str, str]] = []
         self.llm: LLMStage = agent.llm_for_conversation()
-        self.lock = threading.Lock()  # one answer at a time per conversation
+        self.lock = threading.Lock()  # one answer (or prefill) at a time per conversation
+        self._pending: list[dict[str, str]] | None = None
+        self._prefilling = False
+        self._prefill_lock = threading.Lock()
+
+    def prefill_soon(self, messages: list[dict[str, str]]) -> None:
+        """Prefill messages (the last one the user's words so far) on a thread of its own: the latest only, and
+        not while an answer holds the conversation. The mic's thread must not wait for a forward."""
+        if getattr(self.llm, "prefill_words", None) is None:
+            return  # a remote LLM: nothing cached here
+        with self._prefill_lock:
+            self._pending = messages
+            if self._prefilling:
+                return
+            self._prefilling = True
+        threading.Thread(target=self._prefill_latest, name="prefill", daemon=True).start()
+
+    def _prefill_latest(self) -> None:
+        while True:
+            with self._prefill_lock:
+                messages, self._pending = self._pending, None
+                if messages is None:
+                    self._prefilling = False
+                    return
+            if self.lock.acquire(blocking=False):
+                try:
+                    self.llm.prefill_words(messages)  # type: ignore[attr-defined]
+                except Exception as e:  # an optimisation: the answer prefills what this did not
+                    log.warning("prefill while speaking failed: %s: %s", type(e).__name__, e)
+                finally:
+                    self.lock.release()
 
 
 def make_transcriber(config: AgentConfig) -> Transcriber:
@@ -242,7 +236,7 @@ class VoiceAgent:
         kernels for both LLM modes) and measure the forward costs the load-aware K needs, before anyone waits;
         progress(i) as WARMUP_STEPS[i] starts."""
         progress(0)
-        EndOfTurnDetector(hangover_ms=self.config.hangover_ms).feed(np.zeros(SAMPLE_RATE, np.float32), 0.0)
+        EndOfTurnDetector().feed(np.zeros(SAMPLE_RATE, np.float32), 0.0)
         progress(1)
         self.transcriber.warmup()
         progress(2)
@@ -261,8 +255,27 @@ class VoiceAgent:
         keep = conv.history[-2 * self.config.history_turns :] if self.config.history_turns else []
         return [{"role": "system", "content": self.config.system_prompt}, *keep, {"role": "user", "content": user_text}]
 
-    def listen(self) -> TurnListener:
-        return TurnListener(self.transcriber, self.config.hangover_ms)
+    def listen(
+        self,
+        conv: Conversation | None = None,
+        start_early: StartEarly | None = None,
+        notify: Notify | None = None,
+        turn_end: TurnEnd | None = None,
+    ) -> TurnListener:
+        """A listener for one turn of conv: with start_early (and config.preemptive) it starts answers at pauses;
+        with conv (and config.prefill_while_speaking) it prefills the user's words as they come. turn_end: the
+        configured one unless given."""
+        c = self.config
+        prefill = None
+        if conv is not None and c.prefill_while_speaking:
+            prefill = lambda words: conv.prefill_soon(self.messages(conv, words))  # noqa: E731
+        return TurnListener(
+            self.transcriber,
+            turn_end or c.turn_end,
+            start_early=start_early if c.preemptive else None,
+            prefill=prefill,
+            notify=notify,
+        )
 
     def turn_from_recording(
         self,
@@ -272,16 +285,30 @@ class VoiceAgent:
         on_event: EventSink | None = None,
         cancel: threading.Event | None = None,
         remember: bool = True,
-        timeline: Timeline | None = None,
     ) -> TurnResult:
-        """Replay a recording in real time, as if its speaker were talking now, then answer."""
-        listener = self.listen()
-        timeline = timeline or Timeline()
+        """Replay a recording in real time, as if its speaker were talking now, then answer (starting early at a
+        pause, as a live microphone's turn does)."""
+        early: list[tuple[Hold, threading.Thread, list]] = []
+
+        def start_early(words: str, timeline: Timeline, hold: Hold) -> None:
+            box: list = []  # the TurnResult, or the exception that ended the answer
+
+            def run() -> None:
+                try:
+                    box.append(self.respond(conv, words, timeline, speculation, on_event, cancel, remember, hold))
+                except BaseException as e:  # re-raised below, if this answer was the turn's
+                    box.append(e)
+
+            thread = threading.Thread(target=run, name="early-answer", daemon=True)
+            thread.start()
+            early.append((hold, thread, box))
+
+        listener = self.listen(conv, start_early)
         t0 = time.perf_counter()
         end: VadEvent | None = None
         try:
-            # After the file, the speaker stays silent long enough for the hang-over to run out.
-            tail = np.zeros(int(SAMPLE_RATE * (self.config.hangover_ms / 1000 + 0.2)), np.float32)
+            # After the file, the speaker stays silent long enough for the longest hang-over to run out.
+            tail = np.zeros(int(SAMPLE_RATE * (self.config.turn_end.longest_ms / 1000 + 0.2)), np.float32)
             padded = np.concatenate([audio16k, tail])
             for i in range(0, len(padded), FRAME):  # the page's mic sends one VAD frame at a time too
                 t_chunk = t0 + i / SAMPLE_RATE
@@ -291,12 +318,19 @@ class VoiceAgent:
                 end = listener.feed(padded[i : i + FRAME], t_chunk)
                 if end is not None:
                     break
-            transcript = listener.finish(end, timeline)
+            heard = listener.finish(end)
         finally:
-            listener.close()
+            listener.close()  # discards an early answer still held
+            for _, thread, _ in early:
+                thread.join()
         if on_event:
-            on_event("transcript", transcript)
-        return self.respond(conv, transcript, timeline, speculation, on_event, cancel, remember)
+            on_event("transcript", heard.transcript)
+        kept = next((box[0] for hold, _, box in early if hold is heard.early), None)
+        if kept is None:
+            return self.respond(conv, heard.transcript, heard.timeline, speculation, on_event, cancel, remember)
+        if isinstance(kept, BaseException):
+            raise kept
+        return kept
 
     def respond(
         self,
@@ -307,10 +341,17 @@ class VoiceAgent:
         on_event: EventSink | None = None,
         cancel: threading.Event | None = None,
         remember: bool = True,
+        hold: Hold | None = None,
     ) -> TurnResult:
-        """Answer a transcript: LLM tokens → chunks → TTS audio, with TTS running as chunks become ready."""
+        """Answer a transcript: LLM tokens → chunks → TTS audio, with TTS running as chunks become ready. With hold
+        (an answer started before its turn ended), nothing is sent, played or remembered until hold is confirmed,
+        and the answer stops when it is discarded."""
         emit = on_event or (lambda kind, payload: None)
         cancel = cancel or threading.Event()
+        if hold is not None:
+            emit = hold.wrap(emit)
+            cancel = ChildCancel(cancel)
+            hold.link(cancel)
         if not timeline.has("speech_end"):  # typed input: the turn "ends" now, with no VAD or ASR stage
             now = time.perf_counter()
             for name in ("speech_end", "end_of_turn", "asr_final"):
@@ -366,6 +407,9 @@ class VoiceAgent:
                 for samples in self.tts.stream(text):
                     if cancel.is_set():  # checked before sending: an interrupted answer plays nothing more
                         break
+                    timeline.first_audio_ready = timeline.first_audio_ready or time.perf_counter()
+                    if hold is not None and not hold.wait():  # an early answer plays once its turn is confirmed
+                        break
                     timeline.mark("first_audio_out", time.perf_counter())
                     timeline.last_audio_out = time.perf_counter()
                     audio.append(samples)
@@ -374,7 +418,8 @@ class VoiceAgent:
                     spoken.append(text)
                     spoken_tokens = tokens_so_far
             producer.join()
-            if failure:
+            discarded = hold is not None and not hold.wait()
+            if failure and not discarded:
                 raise failure[0]
             result = TurnResult(
                 speculation,
@@ -387,8 +432,9 @@ class VoiceAgent:
                 self.tts.sample_rate,
                 cancel.is_set(),
                 stats.tokens - spoken_tokens,
+                discarded,
             )
-            if remember:
+            if remember and not discarded:
                 # History holds what the user actually heard, so the next turn's context matches reality.
                 heard = result.spoken + (" …" if result.cancelled else "")
                 conv.history += [{"role": "user", "content": transcript}, {"role": "assistant", "content": heard}]

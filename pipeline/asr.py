@@ -201,6 +201,11 @@ class StreamingTranscriber:
         with self._cond:
             return self._partial
 
+    def covering(self, samples: int) -> str | None:
+        """The latest partial transcript if it heard at least the first `samples` samples fed, else None."""
+        with self._cond:
+            return self._partial if self._partial_n >= samples else None
+
     def feed(self, audio_chunk: np.ndarray) -> None:
         chunk = np.asarray(audio_chunk, dtype=np.float32).reshape(-1)
         with self._cond:

@@ -13,7 +13,7 @@ from specdec.engine import EngineSession, GenerationConfig, SpeculativeEngine
 from specdec.metrics import SpecStats
 from specdec.sampling import SamplingParams
 from specdec.scheduler import BatchScheduler
-from specdec.tokenizer import IncrementalDecoder
+from specdec.tokenizer import IncrementalDecoder, common_prefix_length
 
 SYSTEM_PROMPT = (
     "You are a friendly voice assistant. Answer in one to three short spoken sentences, plain words, "
@@ -45,6 +45,7 @@ class ReplyStats:
     last_token_t: float | None = None
     spec: SpecStats = field(default_factory=SpecStats)
     notes: list[str] = field(default_factory=list)
+    prefilled_while_speaking_tokens: int = 0  # the user's words already in the KV cache when the answer started
 
     def add(self, tokens: int, t: float) -> None:
         """Tokens that arrived together at time t."""
@@ -94,6 +95,7 @@ class EngineLLM:
         self.sampling = sampling or SamplingParams()
         self.seed = seed
         self.session = session  # KV caches kept between this conversation's turns
+        self._spoken_prefix: tuple[list[int], int] | None = None  # prefill_words' tokens, and where the words begin
         self.k: str | None = None  # None: the engine's default K policy
         self.load_aware = True  # batched: K capped by load (specdec/scheduler.py)
 
@@ -131,6 +133,21 @@ class EngineLLM:
                 stats.notes.append("oldest conversation turns dropped to fit the context")
         return ids
 
+    def prefill_words(self, messages: list[dict[str, str]]) -> None:
+        """Prefill the prompt up to the end of the last message's words (the user's, still speaking): every
+        prompt whose last message starts with them shares these tokens. Not concurrently with an answer."""
+        if self.session is None:
+            return
+        head, words = messages[:-1], messages[-1]["content"]
+        tails = (" a", " zz")  # the next word starts with a space: the words' own tokens are the shared ones
+        with_words = [self.tokenizer.chat_ids([*head, {"role": "user", "content": words + tail}]) for tail in tails]
+        before = [self.tokenizer.chat_ids([*head, {"role": "user", "content": tail}]) for tail in ("a", "zz")]
+        ids = with_words[0][: common_prefix_length(*with_words)]
+        start = common_prefix_length(*before)
+        if len(ids) > start and len(ids) < self.engine.target.max_context - self.max_new_tokens:
+            self.session.prefill(ids)
+            self._spoken_prefix = (ids, start)
+
     def stream_reply(
         self,
         messages: list[dict[str, str]],
@@ -138,12 +155,17 @@ class EngineLLM:
         stats: ReplyStats,
         cancel: threading.Event | None = None,
     ) -> Iterator[LLMDelta]:
+        prompt = self.prompt_ids(messages, stats)
+        if self._spoken_prefix is not None:
+            ids, start = self._spoken_prefix
+            stats.prefilled_while_speaking_tokens = max(0, common_prefix_length(prompt, ids) - start)
+            self._spoken_prefix = None
         policy = k_policy_factory(self.k) if self.k else None
         config = GenerationConfig(self.max_new_tokens, self.sampling, self.seed, speculation, policy, self.load_aware)
         decoder = IncrementalDecoder(self.tokenizer)
         eos = self.tokenizer.eos_token_ids
         source = self.scheduler or self.engine
-        for ev in source.stream(self.prompt_ids(messages, stats), config, cancel, stats.spec, self.session):
+        for ev in source.stream(prompt, config, cancel, stats.spec, self.session):
             now = time.perf_counter()
             if ev.note:
                 stats.notes.append(ev.note)

@@ -16,17 +16,20 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .agent import TurnListener, VoiceAgent
+from .agent import Conversation, VoiceAgent
 from .audio import SAMPLE_RATE, AudioError
+from .listener import StartEarly, TurnListener
 from .timeline import Timeline
+from .turn_end import TurnEnd
 from .vad import EndOfTurnDetector, VadEvent
 
 log = logging.getLogger("specvoice.mic")
 
 # notify(message): what the user should see, {"type": "vad" | "partial" | "transcript" | "info" | "error", ...}
 Notify = Callable[[dict], None]
-# on_turn(transcript, timeline, audio): a user turn to answer, with its audio as the listener heard it
-OnTurn = Callable[[str, Timeline, np.ndarray | None], None]
+# on_turn(transcript, timeline, audio, answered): a user turn, with its audio as the listener heard it; answered:
+# an early answer on these words was confirmed and is this turn's answer, else the turn still needs one
+OnTurn = Callable[[str, Timeline, np.ndarray | None, bool], None]
 
 
 class MicInput:
@@ -43,10 +46,20 @@ class MicInput:
     PREROLL_S = 1.0
     PARTIAL_EVERY_S = 0.3
 
-    def __init__(self, notify: Notify, interrupt: Callable[[str], None], on_turn: OnTurn, max_turn_s: float) -> None:
+    def __init__(
+        self,
+        notify: Notify,
+        interrupt: Callable[[str], None],
+        on_turn: OnTurn,
+        max_turn_s: float,
+        start_early: StartEarly | None = None,
+        conversation: Callable[[], Conversation] | None = None,
+    ) -> None:
         self.notify = notify
         self.interrupt = interrupt  # interrupt(reason): the user speaks, so the answer being given stops
         self.on_turn = on_turn
+        self.start_early = start_early  # an answer started at a pause (preemptive generation), held until the end
+        self.conversation = conversation  # whose KV cache the user's words are prefilled into as they come
         self.max_turn_s = max_turn_s
         self.agent: VoiceAgent | None = None
         self.unavailable = ""  # why there is no agent, once loading is over
@@ -132,10 +145,14 @@ class MicInput:
         if mode == "ptt":
             self.interrupt("push-to-talk")  # pressing to talk while the agent speaks is a barge-in
             # The VAD must not end a held turn at a pause; the release does (or max_turn_s).
-            self._new_listener(TurnListener(self.agent.transcriber, self.max_turn_s * 1000))
+            held = TurnEnd("silence", silence_ms=self.max_turn_s * 1000)
+            self._new_listener(self.agent.listen(self._conv(), turn_end=held))
         else:
-            self.gate = self.gate or EndOfTurnDetector(hangover_ms=self.agent.config.hangover_ms)
+            self.gate = self.gate or EndOfTurnDetector()  # only its speech_start is read
             self.gate.reset()
+
+    def _conv(self) -> Conversation | None:
+        return self.conversation() if self.conversation is not None else None
 
     def _new_listener(self, listener: TurnListener) -> None:
         self.listener, self.fed_s, self.fed, self.partial = listener, 0.0, [], ""
@@ -152,7 +169,7 @@ class MicInput:
                 return
             self.notify({"type": "vad", "event": "speech_start"})
             self.interrupt("barge-in")
-            self._new_listener(self.agent.listen())
+            self._new_listener(self.agent.listen(self._conv(), self.start_early, self.notify))
             items, self.preroll = list(self.preroll), deque()
         else:
             items = [(chunk, t_start)]
@@ -187,13 +204,13 @@ class MicInput:
             return
         if end is not None:
             self.notify({"type": "vad", "event": "end_of_turn"})
-        timeline = Timeline()
         try:
-            transcript = listener.finish(end, timeline)
+            heard = listener.finish(end)
         except AudioError as e:
             self.notify({"type": "info", "message": f"Not answered: {e}."})
             return
         finally:
             listener.close()
-        self.notify({"type": "transcript", "text": transcript})
-        self.on_turn(transcript, timeline, np.concatenate(self.fed) if self.fed else None)
+        self.notify({"type": "transcript", "text": heard.transcript})
+        audio = np.concatenate(self.fed) if self.fed else None
+        self.on_turn(heard.transcript, heard.timeline, audio, heard.early is not None)

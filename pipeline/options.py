@@ -9,6 +9,7 @@ from specdec.build import DTYPES, EngineSpec
 from specdec.quant import TARGET_QUANTS
 
 from .agent import AgentConfig
+from .turn_end import TurnEnd
 
 
 def positive_int(value: str) -> int:
@@ -126,11 +127,40 @@ def add_agent_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds of audio the ASR encoder sees for a short turn (0: Whisper's full 30 s; 10 measured best)",
     )
     parser.add_argument("--tts", default=d.tts, help="hibari (default), piper or coqui")
+    t = d.turn_end
     parser.add_argument(
-        "--hangover-ms",
+        "--end-of-turn",
+        choices=["words", "silence"],
+        default=t.mode,
+        help="words: the silence that ends a turn depends on whether the words heard look finished; "
+        "silence: always --hangover-ms",
+    )
+    parser.add_argument(
+        "--hangover-ms", type=float, default=t.silence_ms, help="--end-of-turn silence: the silence that ends a turn"
+    )
+    parser.add_argument(
+        "--hangover-complete-ms",
         type=float,
-        default=d.hangover_ms,
-        help="silence after the last voiced audio that ends the user's turn",
+        default=t.complete_ms,
+        help="--end-of-turn words: the silence after words that look finished",
+    )
+    parser.add_argument(
+        "--hangover-incomplete-ms",
+        type=float,
+        default=t.incomplete_ms,
+        help="--end-of-turn words: the silence after words that trail off (… of, and …), or not yet transcribed",
+    )
+    parser.add_argument(
+        "--no-preemptive",
+        dest="preemptive",
+        action="store_false",
+        help="start the answer only once the turn has ended (default: at the pause, held until it ends)",
+    )
+    parser.add_argument(
+        "--no-prefill-while-speaking",
+        dest="prefill_while_speaking",
+        action="store_false",
+        help="prefill the user's words only once the answer starts (default: from the partial transcripts)",
     )
     parser.add_argument("--first-chunk-words", type=int, default=d.first_chunk_words)
     parser.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
@@ -158,7 +188,9 @@ def agent_config_from_args(args: argparse.Namespace) -> AgentConfig:
         asr_beam_size=args.asr_beam,
         asr_window_s=args.asr_window_s or None,
         tts=args.tts,
-        hangover_ms=args.hangover_ms,
+        turn_end=TurnEnd(args.end_of_turn, args.hangover_ms, args.hangover_complete_ms, args.hangover_incomplete_ms),
+        preemptive=args.preemptive,
+        prefill_while_speaking=args.prefill_while_speaking,
         first_chunk_words=args.first_chunk_words,
         max_new_tokens=args.max_new_tokens,
         history_turns=args.history_turns,

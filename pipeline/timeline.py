@@ -1,7 +1,9 @@
 """One timeline per turn: every stage stamps it on the way, the UI and the CLI read the same JSON.
 
 All marks are seconds on one monotonic clock (time.perf_counter). Stages are consecutive differences
-between marks, so they add up exactly to ttfa_ms.
+between marks, so they add up exactly to ttfa_ms. An answer started early (pipeline/preemptive.py) may reach a mark
+before the turn is confirmed: a mark counts from when the turn had it, i.e. no earlier than the marks before it, so
+the stages still add up, and what the early start hid is saved_ms()["preemptive"].
 """
 
 from __future__ import annotations
@@ -32,6 +34,11 @@ class Timeline:
     last_audio_out: float | None = None
     heard_ms: float | None = None  # filled by the browser: first sample heard, relative to speech_end
     first_chunk_tokens: int = 0  # tokens generated before the first chunk was released
+    early_start: float | None = None  # the answer started at the pause, before the turn was confirmed
+    first_audio_ready: float | None = None  # the TTS had the first samples (held until confirmed if early)
+    early_discarded: int = 0  # early answers of this turn thrown away (the user went on, or other final words)
+    silence_rule_ms: float | None = None  # what a fixed silence would have waited, when words ended the turn
+    prefilled_while_speaking_tokens: int = 0  # prompt tokens prefilled from partial transcripts before the answer
 
     def mark(self, name: str, t: float) -> None:
         if name not in MARKS:
@@ -43,16 +50,39 @@ class Timeline:
 
     @property
     def ttfa_ms(self) -> float | None:
-        if "speech_end" in self.marks and "first_audio_out" in self.marks:
-            return (self.marks["first_audio_out"] - self.marks["speech_end"]) * 1000
+        reached = self._reached()
+        if "speech_end" in reached and "first_audio_out" in reached:
+            return (reached["first_audio_out"] - reached["speech_end"]) * 1000
         return None
 
+    def _reached(self) -> dict[str, float]:
+        """Each mark as the turn reached it: never before an earlier mark (an early answer's marks wait for the
+        turn's confirmation)."""
+        reached, latest = {}, float("-inf")
+        for name in MARKS:
+            if name in self.marks:
+                latest = max(latest, self.marks[name])
+                reached[name] = latest
+        return reached
+
     def stages_ms(self) -> dict[str, float]:
+        reached = self._reached()
         return {
-            name: (self.marks[b] - self.marks[a]) * 1000
-            for name, (a, b) in STAGES.items()
-            if a in self.marks and b in self.marks
+            name: (reached[b] - reached[a]) * 1000 for name, (a, b) in STAGES.items() if a in reached and b in reached
         }
+
+    def saved_ms(self) -> dict[str, float]:
+        """What each technique saved this turn. preemptive: the answer's work done before the turn was confirmed
+        (min(first audio ready, final transcript) − early start). turn end by words: the fixed silence's wait
+        minus the wait the words chose (negative: unfinished words waited longer)."""
+        saved = {}
+        if self.early_start is not None and self.first_audio_ready is not None and "asr_final" in self.marks:
+            hidden = min(self.first_audio_ready, self.marks["asr_final"]) - self.early_start
+            saved["preemptive"] = max(0.0, hidden) * 1000
+        wait = self.stages_ms().get("end_of_turn_wait")
+        if self.silence_rule_ms is not None and wait is not None:
+            saved["turn end by words"] = self.silence_rule_ms - wait
+        return saved
 
     def to_dict(self) -> dict:
         t0 = self.marks.get("speech_end")
@@ -64,4 +94,8 @@ class Timeline:
             "marks_ms": rel,  # each mark relative to speech_end
             "last_audio_out_ms": (self.last_audio_out - t0) * 1000 if (t0 and self.last_audio_out) else None,
             "first_chunk_tokens": self.first_chunk_tokens,
+            "early_start_ms": (self.early_start - t0) * 1000 if (t0 and self.early_start) else None,
+            "early_discarded": self.early_discarded,
+            "saved_ms": self.saved_ms(),
+            "prefilled_while_speaking_tokens": self.prefilled_while_speaking_tokens,
         }

@@ -65,8 +65,9 @@ class EndOfTurnDetector:
         self._t = 0.0  # stream time at the end of the last frame processed
 
     @property
-    def in_speech(self) -> bool:
-        return self._in_speech
+    def last_voiced(self) -> tuple[float, int]:
+        """(stream time, sample index) at the end of the current turn's last voiced frame."""
+        return self._last_voiced
 
     @property
     def paused(self) -> bool:

@@ -23,7 +23,7 @@ from .models import (
     release_free_memory,
     resident_bytes,
 )
-from .quant import CALIBRATION_TEXT, quantize_linears, replace_linears, w8a8_layer
+from .quant import CALIBRATION_TEXT, quantize_linears, quantized_cache_path, replace_linears, w8a8_layer
 from .runner import BatchRunner, fastest_min_feed
 
 
@@ -124,7 +124,7 @@ def quantize_target(target: LoadedModel, quant: str) -> None:
     if target.device.type != "cpu":
         raise ValueError("--target-quant is a CPU lever; use --target-quant none on CUDA")
     calibration = torch.tensor([target.tokenizer.encode(CALIBRATION_TEXT)], device=target.device)
-    quantize_linears(target.model, quant, calibration)
+    quantize_linears(target.model, quant, calibration, quantized_cache_path(target.model, quant, target.name))
     target.dtype = torch.float32  # what the unquantized rest computes in now
 
 

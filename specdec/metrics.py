@@ -42,6 +42,15 @@ DEFINITIONS: dict[str, str] = {
     "answer tokens, teacher-forced (the reference's own value is the ceiling it is compared with)",
     "expected_speedup": "Leviathan et al.: (1 − α^(K+1)) / ((1 − α)(cK + 1)), c = draft forward ÷ target forward",
     "draft_cost_ratio": "c = seconds per draft forward ÷ seconds per target forward (in a speculative step)",
+    "verify_cost_curve": "the app: v(n) = forward(n) ÷ forward(1), the seconds of one target forward feeding n tokens "
+    "per sequence ÷ those of one feeding a single token, at the same batch size, from the forward-cost grid measured "
+    "at warm-up (about a voice turn of tokens cached per sequence); verifying K drafts feeds n = K + 1",
+    "predicted_speedup": "the app: E ÷ v(K + 1) at batch 1, E = (1 − α^(K+1)) / (1 − α) the expected tokens per target "
+    "forward when each of K drafts is accepted independently with probability α (an i.i.d. assumption); α and K "
+    "(mean_k, rounded) pooled over the session's finished speculation-on turns; the drafter's own time is left out "
+    "(small for draft heads, not for a draft model)",
+    "measured_speedup": "the app: the median tokens_per_s of the session's finished speculation-on turns ÷ the median "
+    "of its speculation-off turns, each at the load it ran under",
     "batch_size": "sequences whose steps shared one target forward (continuous batching: every active conversation, "
     "the app's simulated background conversations included)",
     "k_chosen": "drafts asked of a sequence's drafter for one step: its K policy's K, capped by the load-aware choice "

@@ -8,14 +8,17 @@ attention. The draft model and the heads use the same w8a8 layers (--draft-quant
 
 from __future__ import annotations
 
+import hashlib
+import os
 import warnings
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from .models import release_free_memory
+from .models import cache_dir, release_free_memory
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -26,6 +29,13 @@ INT4_GROUP = 32  # inputs per int4 scale; the GGUF source is Q4_K_M, quantized i
 INT4_INNER_K_TILES = 2
 
 
+def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output row: (q int8 [out, in], scale float32 [out]) with weight ≈ q · scale."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0
+    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
 class Int8WeightLinear(torch.nn.Module):
     """y = x · (q · s)ᵀ + b with q int8 [out, in] and s one scale per output channel, computed in bf16 (torch's
     CPU kernel is ~9× slower with float32 activations)."""
@@ -34,9 +44,8 @@ class Int8WeightLinear(torch.nn.Module):
 
     def __init__(self, linear: torch.nn.Linear) -> None:
         super().__init__()
-        w = linear.weight.detach().float()
-        scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0
-        self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
+        qweight, scale = int8_rows(linear.weight)
+        self.register_buffer("qweight", qweight)
         self._scale = scale.bfloat16()  # not a buffer: model.float() must leave it in bf16
         self.packed_weight_bytes = self._scale.numel() * 2
         self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach(), requires_grad=False)
@@ -49,7 +58,31 @@ class Int8WeightLinear(torch.nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-class Int8RowLinear(torch.nn.Module):
+class RowInt8Linear(torch.nn.Module):
+    """A w8a8 layer: int8 weights with a scale per output row, and each input row quantized with its own scale.
+    Built from a Linear, or from int8 weights already computed (the cache of a quantized target)."""
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        self._build(*int8_rows(linear.weight), linear.bias)
+
+    @classmethod
+    def from_int8(cls, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> RowInt8Linear:
+        layer = cls.__new__(cls)
+        torch.nn.Module.__init__(layer)
+        layer._build(qweight, scale, bias)
+        return layer
+
+    def _build(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach().float(), requires_grad=False)
+        self.out_features, self.in_features = qweight.shape
+        self._pack(qweight, scale)
+
+    def _pack(self, qweight: torch.Tensor, scale: torch.Tensor) -> None:
+        raise NotImplementedError
+
+
+class Int8RowLinear(RowInt8Linear):
     """W8A8 on oneDNN's prepacked int8 matmul, rows independent: the layer for CPUs with AMX.
 
     Each row is quantized with its own scale (max |x| ÷ 127), so the kernel sees one fixed activation scale and
@@ -59,19 +92,11 @@ class Int8RowLinear(torch.nn.Module):
     measured slower than fbgemm at every row count up to 9 (docs/results.md), hence Int8RowLinearFbgemm there.
     """
 
-    def __init__(self, linear: torch.nn.Linear) -> None:
-        super().__init__()
-        w = linear.weight.detach().float()
-        scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0
-        qweight = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    def _pack(self, qweight: torch.Tensor, scale: torch.Tensor) -> None:
         self._packed = torch.ops.onednn.qlinear_prepack(qweight, None)
-        self._scale = scale
-        self._zero = torch.zeros(len(w), dtype=torch.long)
-        self.packed_weight_bytes = w.numel() + 12 * len(w)  # int8 weights, a float32 scale and a zero point per row
-        self.bias = (
-            None if linear.bias is None else torch.nn.Parameter(linear.bias.detach().float(), requires_grad=False)
-        )
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self._scale = scale.float()
+        self._zero = torch.zeros(len(qweight), dtype=torch.long)
+        self.packed_weight_bytes = qweight.numel() + 12 * len(qweight)  # int8, a float32 scale and a zero point a row
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).float()
@@ -92,7 +117,7 @@ def _onednn_int8_matmul(q: torch.Tensor, packed: torch.Tensor, scale: torch.Tens
     )
 
 
-class Int8RowLinearFbgemm(torch.nn.Module):
+class Int8RowLinearFbgemm(RowInt8Linear):
     """W8A8 on fbgemm's dynamic int8 GEMM, made row-independent: the layer for CPUs without AMX.
 
     fbgemm quantizes activations with one scale for the whole tensor, taken from its min and max, so a row's
@@ -104,21 +129,14 @@ class Int8RowLinearFbgemm(torch.nn.Module):
 
     _RANGE_PINS = torch.tensor([[1.0, -1.0]])
 
-    def __init__(self, linear: torch.nn.Linear) -> None:
-        super().__init__()
-        w = linear.weight.detach().float()
-        w = torch.cat([w, w.new_zeros(len(w), self._RANGE_PINS.shape[1])], dim=1)
-        scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0
-        zero = torch.zeros(len(w), dtype=torch.long)
+    def _pack(self, qweight: torch.Tensor, scale: torch.Tensor) -> None:
+        pinned = torch.cat([qweight, qweight.new_zeros(len(qweight), self._RANGE_PINS.shape[1])], dim=1)
+        zero = torch.zeros(len(qweight), dtype=torch.long)
         with warnings.catch_warnings():  # quantized tensors are deprecated; fbgemm's prepacked GEMM is not
             warnings.simplefilter("ignore")
-            qweight = torch.quantize_per_channel(w, scale, zero, 0, torch.qint8)
-        self._packed = torch.ops.quantized.linear_prepack(qweight, None)
-        self.packed_weight_bytes = w.numel() + 8 * len(w)  # int8 weights, a float64 scale per row
-        self.bias = (
-            None if linear.bias is None else torch.nn.Parameter(linear.bias.detach().float(), requires_grad=False)
-        )
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+            quantized = torch._make_per_channel_quantized_tensor(pinned, scale.double(), zero, 0)
+        self._packed = torch.ops.quantized.linear_prepack(quantized, None)
+        self.packed_weight_bytes = pinned.numel() + 8 * len(pinned)  # int8 weights, a float64 scale per row
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).float()
@@ -226,7 +244,7 @@ def _int4_or_int8(linear: torch.nn.Linear) -> torch.nn.Module:
 
 
 def quantize_linears(
-    model: PreTrainedModel, quant: str, calibration_ids: torch.Tensor | None = None
+    model: PreTrainedModel, quant: str, calibration_ids: torch.Tensor | None = None, cache: Path | None = None
 ) -> PreTrainedModel:
     """Replace every Linear layer in place, the LM head included (a head tied to the input embeddings gets its own
     quantized copy: a float head would be the one layer left whose rows depend on each other), and run the rest
@@ -237,6 +255,7 @@ def quantize_linears(
     6 speculative answers left target-only's greedy path. float32 is also 2–7% faster here.
 
     calibration_ids: token ids of CALIBRATION_TEXT; given, w8a8 smooths the MLPs' down projections first.
+    cache: for w8a8, a file of the int8 weights: read when it exists (no smoothing, no quantizing), else written.
     """
     if quant == "none":
         return model
@@ -250,9 +269,12 @@ def quantize_linears(
     make = makers.get(quant)
     if make is None:
         raise ValueError(f"--target-quant must be one of {', '.join(TARGET_QUANTS)}, got {quant!r}")
-    if quant.startswith("w8a8") and calibration_ids is not None:
-        smooth_mlp_inputs(model, calibration_ids)
-    replace_linears(model, make)
+    if cache is not None and isinstance(make, type) and issubclass(make, RowInt8Linear):
+        _w8a8_through_cache(model, make, calibration_ids, cache)
+    else:
+        if quant.startswith("w8a8") and calibration_ids is not None:
+            smooth_mlp_inputs(model, calibration_ids)
+        replace_linears(model, make)
     embeddings = model.get_input_embeddings()
     table_dtype = embeddings.weight.dtype
     model.float()
@@ -264,9 +286,69 @@ def quantize_linears(
     return model
 
 
+def _w8a8_through_cache(
+    model: PreTrainedModel, layer: type[RowInt8Linear], calibration_ids: torch.Tensor | None, cache: Path
+) -> None:
+    """w8a8 from the cached int8 weights, or quantized (smoothed first) with the int8 weights written to cache."""
+    from safetensors.torch import load_file, save_file
+
+    if cache.exists():
+        saved = load_file(cache)
+        _replace_named(
+            model,
+            lambda name, _: layer.from_int8(saved[f"{name}.q"], saved[f"{name}.scale"], saved.get(f"{name}.bias")),
+        )
+        return
+    if calibration_ids is not None:
+        smooth_mlp_inputs(model, calibration_ids)
+    rows: dict[str, torch.Tensor] = {}
+
+    def build(name: str, linear: torch.nn.Linear) -> torch.nn.Module:
+        rows[f"{name}.q"], rows[f"{name}.scale"] = q, scale = int8_rows(linear.weight)
+        if linear.bias is not None:
+            rows[f"{name}.bias"] = linear.bias.detach().float()
+        return layer.from_int8(q, scale, linear.bias)
+
+    _replace_named(model, build)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    partial = cache.with_name(f"{cache.name}.{os.getpid()}.partial")  # never a half-written file under the name
+    save_file(rows, str(partial))
+    os.replace(partial, cache)
+
+
+def quantized_cache_path(model: PreTrainedModel, quant: str, name: str) -> Path | None:
+    """Where the int8 weights of this model in this w8a8 format are kept, keyed by the weights' own fingerprint, the
+    layer, the smoothing and torch's version; None for a model quick to quantize (the tests' tiny ones)."""
+    params = list(model.state_dict().items())
+    if sum(t.numel() for _, t in params) < 100_000_000:
+        return None
+    digest = hashlib.sha256()
+    layer = w8a8_layer().__name__ if quant == "w8a8" else quant
+    for key in (quant, layer, torch.__version__, CALIBRATION_TEXT, repr(SMOOTHING_ALPHA)):
+        digest.update(key.encode())
+    for key, tensor in params:  # names, shapes and an even sample of every tensor's values
+        flat = tensor.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // 4096)].float().cpu().numpy().tobytes()
+        digest.update(f"{key}{tuple(tensor.shape)}{tensor.dtype}".encode() + sample)
+    safe = "".join(c if c.isalnum() or c in "-." else "_" for c in name)
+    return cache_dir() / "quantized" / f"{safe}-{quant}-{digest.hexdigest()[:16]}.safetensors"
+
+
 def replace_linears(module: torch.nn.Module, make: Callable[[torch.nn.Linear], torch.nn.Module]) -> None:
     """Every nn.Linear inside `module` replaced, in place, by make(linear)."""
-    for parent in [m for m in module.modules() if any(type(c) is torch.nn.Linear for c in m.children())]:
-        for name, child in list(parent.named_children()):
-            if type(child) is torch.nn.Linear:
-                setattr(parent, name, make(child))
+    _replace_named(module, lambda name, linear: make(linear))
+
+
+def _replace_named(module: torch.nn.Module, make: Callable[[str, torch.nn.Linear], torch.nn.Module]) -> None:
+    """Every nn.Linear inside `module` replaced, in place, by make(its name, it), built on all of torch's threads:
+    packing a weight runs on one, and the 1.5B target's took 18 s that way."""
+    found = [
+        (f"{prefix}.{name}" if prefix else name, parent, name, child)
+        for prefix, parent in module.named_modules()
+        for name, child in parent.named_children()
+        if type(child) is torch.nn.Linear
+    ]
+    with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
+        built = pool.map(lambda one: make(one[0], one[3]), found)
+        for (_, parent, name, _), layer in zip(found, built):
+            setattr(parent, name, layer)  # as each arrives, so the float layers go as the int8 ones come

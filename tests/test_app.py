@@ -26,6 +26,7 @@ from websockets.sync.client import connect
 
 from app import report, server
 from app.bench_users import send_speech
+from app.page import K_CHOICES
 from app.protocol import AUDIO_HEADER, FLAG_REPLAY, ClockSync, decode_mic_frame, pack_audio, unpack_audio
 from app.server import ModelLoader, origin_allowed
 from app.session import AnswerSlots
@@ -35,6 +36,7 @@ from pipeline.options import agent_config_from_args
 from pipeline.timeline import STAGES
 from pipeline.tts import TTS
 from pipeline.vad import EndOfTurnDetector
+from specdec.cost_grid import COST_BATCHES
 
 # ---------------------------------------------------------------------------------------------- pure pieces
 
@@ -362,7 +364,8 @@ def test_voice_turns_barge_in_and_push_to_talk(app):
         voice, _ = recv_until(ws, lambda m: m["type"] == "done")
         feeder.join()
         assert voice["data"]["kind"] == "voice" and "capital" in voice["data"]["transcript"].lower()
-        assert voice["data"]["stages"]["end_of_turn_wait"] >= 250  # the 300 ms hang-over, on frame boundaries
+        # a finished question: the short hang-over of --end-of-turn words, on frame boundaries
+        assert voice["data"]["stages"]["end_of_turn_wait"] >= app.server.loader.config.turn_end.complete_ms - 40
         # Push-to-talk: releasing ends the turn, whatever the VAD thinks.
         ws.send(json.dumps({"type": "mic", "active": False, "mode": "handsfree"}))
         ws.send(json.dumps({"type": "mic", "active": True, "mode": "ptt"}))
@@ -433,6 +436,9 @@ def test_cli_options_reach_the_server():
             "2",
             "--hangover-ms",
             "200",
+            "--end-of-turn",
+            "silence",
+            "--no-preemptive",
             "--draft",
             "ngram",
             "--asr",
@@ -445,7 +451,8 @@ def test_cli_options_reach_the_server():
     )
     assert (args.host, args.port, args.max_concurrent_answers) == ("127.0.0.1", 9000, 2)  # loopback by default
     config = agent_config_from_args(args)
-    assert (config.hangover_ms, config.asr_model, config.tts) == (200, "base", "piper")
+    assert (config.turn_end.mode, config.turn_end.silence_ms, config.preemptive) == ("silence", 200, False)
+    assert (config.prefill_while_speaking, config.asr_model, config.tts) == (True, "base", "piper")
     assert (config.engine.draft, config.engine.k) == ("ngram", "adaptive")
     config, options = server.server_setup(args)
     assert config.engine.batched and config.engine.load_aware and options.max_concurrent_answers == 2
@@ -507,6 +514,9 @@ def test_specvoice_app_starts_loads_and_stops(tiny_engine):
                     statuses.append(json.load(r))
             time.sleep(0.2)
         assert statuses[-1]["error"] is None and statuses[-1]["drafters"] == ["draft-model", "ngram"]
+        costs = statuses[-1]["forward_costs"]  # the grid the load-aware K measured (or read) at warm-up, for the page
+        assert costs["grid"]["batches"] == list(COST_BATCHES) and len(costs["batch1_ms"]) == 1 + max(K_CHOICES)
+        assert costs["batch1_ms"][0] == pytest.approx(1000 * costs["grid"]["seconds"][0][0])
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=10) as r:
             page = r.read().decode()
         assert "/specvoice/static/app.js" in page

@@ -7,8 +7,10 @@ microphone; the server runs in-process with the tiny random engine (gibberish an
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import statistics
 import threading
 
 import pytest
@@ -16,6 +18,8 @@ from browser_util import CHROMIUM, CHROMIUM_ARGS, gated_build, running_app, utte
 from speech import needs_espeak
 
 from app.server import ModelLoader
+from specdec.cost_grid import measure_forward_costs
+from specdec.metrics import expected_tokens_per_step
 
 pytestmark = [
     pytest.mark.browser,
@@ -246,3 +250,90 @@ def test_load_control_starts_and_stops_background_conversations(page):
     batches = page.evaluate("specvoice.turns[specvoice.current].steps.map((s) => s.batchSize)")
     assert max(batches) == 3  # this tab and the two simulated conversations shared forwards
     slide(0)
+
+
+@pytest.fixture
+def measured_grid(app):
+    """A forward-cost grid measured now on the tiny engine, as the app's warm-up measures one with the load-aware K on
+    (the tiny app config has it off). A tab that keeps the load-aware K then drafts nothing on the tiny engine."""
+    scheduler = app.server.loader.agent.scheduler
+    scheduler.costs = measure_forward_costs(scheduler.engine, batches=(1, 2, 4), trials=1)
+    yield scheduler.costs
+    scheduler.costs = None
+
+
+def test_the_page_tells_the_latency_story(measured_grid, page):
+    frames: list[dict] = []  # what the server said, read off the wire: the page's figures are checked against it
+    page.on(
+        "websocket", lambda ws: ws.on("framereceived", lambda f: isinstance(f, str) and frames.append(json.loads(f)))
+    )
+    page.reload()
+    page.wait_for_function("window.specvoice && specvoice.status && specvoice.status.ready", timeout=30_000)
+    page.wait_for_selector("#model-status:has-text('Ready')")
+    assert "undefined" not in page.inner_text("#model-status")  # the configuration the server describes, in words
+    costs = page.evaluate("specvoice.status.forward_costs")
+    assert costs["grid"] == json.loads(json.dumps(measured_grid.as_dict()))
+    assert costs["batch1_ms"] == pytest.approx(
+        [1000 * measured_grid(1, n) for n in range(1, len(costs["batch1_ms"]) + 1)]
+    )
+    page.wait_for_function("document.getElementById('verify-costs').textContent.startsWith('batch 1')")
+    # The curve is drawn: the batch-1 line in its own colour, which nothing else on that canvas uses.
+    drawn = page.evaluate("""() => {
+      const rgb = getComputedStyle(document.documentElement).getPropertyValue('--sv-rate').trim().match(/\\w\\w/g)
+        .map((h) => parseInt(h, 16));
+      const c = document.getElementById('plot-verify');
+      const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+      let n = 0;
+      for (let i = 0; i < d.length; i += 4) if (d[i] === rgb[0] && d[i + 1] === rgb[1] && d[i + 2] === rgb[2]) n++;
+      return n;
+    }""")
+    assert drawn > 50, drawn
+    shown = page.inner_text("#verify-costs")
+    assert shown.startswith(f"batch 1: 1 token {costs['batch1_ms'][0]:.1f} ms (v 1.00) · 2 tokens "), shown
+
+    page.uncheck("#load-aware")  # this tab drafts its K, so there is an acceptance to predict from
+    page.uncheck("#speculation")
+    typed_turn(page, "Tell me a short story.", heard=False)
+    page.check("#speculation")
+    typed_turn(page, "And another one.", heard=False)
+    page.wait_for_timeout(200)
+
+    # The same figures from the wire: specdec.metrics' alpha and mean_k over the speculation-on turn, then E / v(K + 1).
+    on = {m["turn"] for m in frames if m["type"] == "turn" and m["speculation"]}
+    steps = [m for m in frames if m["type"] == "token" and m["turn"] in on]
+    accepted = sum(m["accepted"] for m in steps)
+    alpha = accepted / (accepted + sum(m["accepted"] < m["drafted"] for m in steps))
+    k = math.floor(sum(m["drafted"] for m in steps) / sum(m["k_chosen"] > 0 for m in steps) + 0.5)
+    predicted = expected_tokens_per_step(alpha, k) / (costs["batch1_ms"][k] / costs["batch1_ms"][0])
+    assert float(page.inner_text("#speedup-predicted").rstrip("×")) == pytest.approx(predicted, abs=0.006)
+    assert f"α {alpha:.3f}, K {k} over 1 turn" in page.inner_text("#speedup-inputs")
+    rates = {m["turn"]: m["data"]["tokens_per_s"] for m in frames if m["type"] == "done"}
+    measured = statistics.median(r for t, r in rates.items() if t in on) / statistics.median(
+        r for t, r in rates.items() if t not in on
+    )
+    assert float(page.inner_text("#speedup-measured").rstrip("×")) == pytest.approx(measured, abs=0.006)
+
+    # What each technique saved, and the early answers: nothing shown until the server sends them.
+    assert page.inner_text("#ttfa-saved") == "" and page.inner_text("#early-answers") == ""
+    inject = "m => specvoice.ws.onmessage({data: JSON.stringify(m)})"  # as if the server had sent it
+    for message in (
+        {"type": "early", "event": "started", "text": "what is"},
+        {"type": "early", "event": "discarded", "text": "what is"},
+        {"type": "early", "event": "started", "text": "what is the time"},
+        {"type": "early", "event": "kept", "text": "what is the time"},
+        {"type": "early", "event": "started", "text": "and"},
+        {"type": "early", "event": "constructor"},  # neither an event nor a type it knows breaks the page
+        {"type": "from-the-future", "value": 1},
+    ):
+        page.evaluate(inject, message)
+    turn = page.evaluate("specvoice.current")
+    data = page.evaluate("specvoice.turns[specvoice.current].data")
+    saved = {"preemptive": 290.0, "turn end by words": 80.0, "longer pause": -40.4}
+    done = {**data, "saved_ms": saved, "prefilled_while_speaking_tokens": 14}
+    page.evaluate(inject, {"type": "done", "turn": turn, "data": done})
+    page.wait_for_timeout(200)
+    assert page.inner_text("#ttfa-saved") == (
+        "preemptive: 290 ms hidden · turn end by words: 80 ms sooner · longer pause: 40 ms later · "
+        "prefill while speaking: 14 tokens ready"
+    )
+    assert page.inner_text("#early-answers") == "early answers: 1 kept, 1 thrown away, 1 waiting for the turn's end"

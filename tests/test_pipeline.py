@@ -17,6 +17,7 @@ from pipeline.asr import Transcriber
 from pipeline.audio import AudioError
 from pipeline.llm import LLMDelta
 from pipeline.timeline import MARKS, STAGES, Timeline
+from pipeline.turn_end import TurnEnd
 
 
 class ScriptedLLM:
@@ -143,12 +144,13 @@ def test_barge_in_cancels_llm_and_tts_and_keeps_history_consistent():
 @needs_espeak
 def test_turn_from_recording_marks_speech_end_before_end_of_turn(transcriber):
     agent, llm = scripted_agent(transcriber, "Paris.")
+    agent.config.turn_end = TurnEnd("silence", silence_ms=300)
     audio = np.concatenate([np.zeros(8000, np.float32), speak("What is the capital of France?")])
     result = agent.turn_from_recording(agent.new_conversation(), audio, True)
     d = result.to_dict()
     assert "capital" in d["transcript"].lower() and "france" in d["transcript"].lower()
     wait = d["stages"]["end_of_turn_wait"]
-    assert agent.config.hangover_ms - 40 <= wait <= agent.config.hangover_ms + 80
+    assert 300 - 40 <= wait <= 300 + 80
     assert math.isclose(sum(d["stages"].values()), d["ttfa_ms"])
     assert llm.seen_messages[-1][-1]["content"] == d["transcript"]
 

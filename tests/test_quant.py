@@ -13,6 +13,7 @@ from specdec.quant import (
     Int8RowLinearFbgemm,
     Int8WeightLinear,
     quantize_linears,
+    quantized_cache_path,
 )
 
 LAYERS = {"int8": Int8WeightLinear, "w8a8": Int8RowLinear, "w8a8-fbgemm": Int8RowLinearFbgemm, "int4": Int4WeightLinear}
@@ -111,3 +112,29 @@ def test_smoothing_keeps_the_float_function_and_evens_out_channels():
     torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
     spread = [float(p.max() / p.mean()) for p in peaks]
     assert spread[-1] < spread[0]  # peaks: before, during calibration (unchanged), after
+
+
+@pytest.mark.parametrize("quant", ["w8a8-fbgemm", "w8a8-onednn"])
+def test_w8a8_read_from_its_cache_is_the_model_quantized_afresh(tiny_engine, tmp_path, quant):
+    """The app's warm start reads the target's int8 weights from a file: the model must be the very same."""
+    import copy
+
+    cache = tmp_path / "target.safetensors"
+    calibration = torch.arange(3, 40)[None]
+    ids = torch.tensor([[5, 9, 2, 7, 1, 3, 8]])
+    logits = []
+    for use_cache in (False, True, True):  # afresh without a file; afresh writing it; read from it
+        model = copy.deepcopy(tiny_engine.target.model)
+        quantize_linears(model, quant, calibration, cache if use_cache else None)
+        with torch.inference_mode():
+            logits.append(model(input_ids=ids).logits)
+    assert cache.exists()
+    assert torch.equal(logits[0], logits[1]) and torch.equal(logits[1], logits[2])
+    smoothed_differently = copy.deepcopy(tiny_engine.target.model)
+    quantize_linears(smoothed_differently, quant, None, tmp_path / "other.safetensors")
+    with torch.inference_mode():
+        assert not torch.equal(smoothed_differently(input_ids=ids).logits, logits[2])  # the comparison can fail
+
+
+def test_only_a_large_model_gets_a_quantized_cache_file(tiny_engine):
+    assert quantized_cache_path(tiny_engine.target.model, "w8a8", "tiny") is None

@@ -63,7 +63,7 @@ def test_end_of_turn_timing(utterance):
     assert 0.3 - 1e-6 <= end.decided_t - end.last_voiced_t <= 0.3 + FRAME_S + 1e-6
     assert end.end_sample == round((end.last_voiced_t - t0) * SAMPLE_RATE)
     assert end.start_sample == start.start_sample
-    assert not detector.in_speech
+    assert not detector.paused  # the turn is over: no longer waiting in a pause
 
 
 @needs_espeak

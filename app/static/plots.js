@@ -1,4 +1,5 @@
-// The two canvas plots: this answer's rate and acceptance per target step, and TTFA per turn.
+// The canvas plots: this answer's rate and acceptance per target step, TTFA per turn, and this machine's verify-cost
+// curve.
 import { $, fmt, S } from './state.js';
 
 // The colours are app.css's custom properties, read at each draw: the stylesheet may apply after this module runs.
@@ -96,9 +97,67 @@ function drawTtfa(colors) {
   ctx.fillText('● on', w - 50, pad.t + 10);
 }
 
+// v(n) = forward(n)/forward(1) per batch size from the measured grid, between the two bounds that tell the story:
+// v = 1 (memory-bound: drafts ride free) and v = n (compute-bound: every token fed costs a whole step).
+function drawVerify(colors) {
+  const c = $('plot-verify');
+  if (!c) return;
+  const ctx = c.getContext('2d');
+  const w = c.width;
+  const h = c.height;
+  const pad = { l: 40, r: 40, t: 16, b: 20 };
+  const grid = S.status?.forward_costs?.grid;
+  const ns = grid ? grid.per_sequence : [1, 2];
+  const nMax = ns[ns.length - 1];
+  const yMax = 4 * Math.ceil(nMax / 4); // quarter ticks on whole numbers
+  axes(ctx, colors, w, h, pad, yMax, 'v(n) = forward(n)/forward(1), bold: batch 1 (ms at its points)', false);
+  ctx.fillText('tokens per sequence per forward n →', w - pad.r - 190, h - 4);
+  if (!grid) {
+    ctx.fillText('no forward-cost grid measured', pad.l + 20, h / 2);
+    return;
+  }
+  const x = (n) => pad.l + ((w - pad.l - pad.r) * (n - 1)) / (nMax - 1);
+  const y = (v) => h - pad.b - ((h - pad.t - pad.b) * v) / yMax;
+  ctx.setLineDash([4, 4]);
+  ctx.strokeStyle = colors.axis;
+  for (const [v1, vMax, label] of [[1, 1, 'v = 1'], [1, nMax, 'v = n']]) {
+    ctx.beginPath();
+    ctx.moveTo(x(1), y(v1));
+    ctx.lineTo(x(nMax), y(vMax));
+    ctx.stroke();
+    ctx.fillText(label, x(nMax) + 4, y(vMax) + 4);
+  }
+  ctx.setLineDash([]);
+  grid.batches.forEach((b, i) => {
+    const seconds = grid.seconds[i];
+    const v = seconds.map((s) => s / seconds[0]);
+    const one = b === 1;
+    ctx.strokeStyle = one ? colors.rate : colors.axis;
+    ctx.lineWidth = one ? 2.5 : 1;
+    ctx.beginPath();
+    ns.forEach((n, j) => {
+      if (j) ctx.lineTo(x(n), y(v[j]));
+      else ctx.moveTo(x(n), y(v[j]));
+    });
+    ctx.stroke();
+    ctx.fillStyle = one ? colors.rate : colors.text;
+    if (!one) ctx.fillText(`b${b}`, x(nMax) - 14, y(v[v.length - 1]) - 3);
+    else {
+      ns.forEach((n, j) => {
+        ctx.beginPath();
+        ctx.arc(x(n), y(v[j]), 3, 0, 2 * Math.PI);
+        ctx.fill();
+        ctx.fillText(`${fmt(1000 * seconds[j], 1)} ms`, x(n) - 14, y(v[j]) - 6);
+      });
+    }
+  });
+  ctx.lineWidth = 1;
+}
+
 export function drawPlots() {
   const colors = palette();
   S.colors = { off: colors.off, on: colors.on };
   drawSteps(colors);
   drawTtfa(colors);
+  drawVerify(colors);
 }

@@ -41,6 +41,7 @@ function renderAll() {
   renderControls();
   renderMetrics();
   renderWaterfall();
+  renderSpeedup();
   renderTranscript();
   renderAb();
   drawPlots();
@@ -64,7 +65,9 @@ function renderStatus() {
     setTimeout(render, 1000); // keep the elapsed time ticking
   } else {
     const e = st.engine || {};
-    text = `Ready — LLM ${e.llm}, K ${e.k}; ASR ${e.asr}; TTS ${e.tts}; turn ends after ${e.hangover_ms} ms of silence; `
+    text = `Ready — LLM ${e.llm}, K ${e.k}; ASR ${e.asr}; TTS ${e.tts}; end of turn: ${e.end_of_turn}; `
+      + (e.preemptive ? 'answers start at the pause; ' : '')
+      + (e.prefill_while_speaking ? 'prefill while speaking; ' : '')
       + `first chunk ≤ ${e.first_chunk_words} words; loaded and warmed up in ${fmt(st.load_s, 1)} s`;
     cls = 'ready';
     progress = 1;
@@ -143,10 +146,30 @@ function renderMetrics() {
   setText('k-chosen', t.speculation ? (t.kChosen ?? '–') : 'off');
 }
 
+const SAVED_VERB = { preemptive: 'hidden' }; // a technique not named here ended the turn sooner
+
+// What each technique saved this turn, for the keys the server sent; a negative saving waited longer than the plain
+// silence rule would have. No prefill while speaking (a typed turn) says nothing.
+function savedLine(d) {
+  const parts = Object.entries(d?.saved_ms || {}).map(([label, ms]) => {
+    const verb = ms < 0 ? 'later' : Object.hasOwn(SAVED_VERB, label) ? SAVED_VERB[label] : 'sooner';
+    return `${label}: ${fmt(Math.abs(ms))} ms ${verb}`;
+  });
+  if (d?.prefilled_while_speaking_tokens > 0) {
+    parts.push(`prefill while speaking: ${d.prefilled_while_speaking_tokens} tokens ready`);
+  }
+  return parts.join(' · ');
+}
+
 function renderWaterfall() {
   const t = S.turns[S.current];
   const d = t?.data;
   setText('waterfall-mode', t ? `turn ${t.turn}, speculation ${t.speculation ? 'on' : 'off'}` : '');
+  setText('ttfa-saved', savedLine(d));
+  const e = S.early;
+  const running = e.started - e.kept - e.discarded;
+  setText('early-answers', e.started + e.kept + e.discarded ? `early answers: ${e.kept} kept, ${e.discarded} thrown `
+    + `away${running > 0 ? `, ${running} waiting for the turn's end` : ''}` : '');
   if (!d || !d.ttfa_ms) {
     const why = !d ? 'waiting for the first audio…' : d.cancelled ? 'interrupted before its first audio'
       : 'the answer had no audio';
@@ -174,6 +197,55 @@ function renderWaterfall() {
       + `<span class="sv-wf-ms">${fmt(heard)} ms</span></div>`);
   }
   setHtml('waterfall', rows.join(''));
+}
+
+const turnsText = (n) => `${n} turn${n === 1 ? '' : 's'}`;
+
+function median(xs) {
+  const s = [...xs].sort((a, b) => a - b);
+  const mid = Math.floor(s.length / 2);
+  return s.length % 2 ? s[mid] : (s[mid - 1] + s[mid]) / 2;
+}
+
+// specdec.metrics' predicted_speedup and measured_speedup over the session's finished turns.
+function speedups() {
+  const done = S.order.map((id) => S.turns[id]).filter((t) => t.data);
+  const on = done.filter((t) => t.speculation);
+  const sum = (key) => on.reduce((total, t) => total + t[key], 0);
+  const seen = sum('accepted') + sum('rejections');
+  const alpha = seen ? sum('accepted') / seen : null;
+  const k = sum('specSteps') ? Math.round(sum('proposed') / sum('specSteps')) : null;
+  const ms = S.status?.forward_costs?.batch1_ms;
+  const tokensPerForward = sum('forwards') ? sum('emitted') / sum('forwards') : null;
+  const r = { alpha, k, turnsOn: on.length, tokensPerForward };
+  if (alpha !== null && k && ms && k < ms.length) {
+    r.e = alpha >= 1 ? k + 1 : (1 - alpha ** (k + 1)) / (1 - alpha);
+    r.v = ms[k] / ms[0];
+    r.predicted = r.e / r.v;
+  }
+  const rates = (spec) => done.filter((t) => t.speculation === spec && t.data.tokens_per_s)
+    .map((t) => t.data.tokens_per_s);
+  r.rateOn = rates(true);
+  r.rateOff = rates(false);
+  if (r.rateOn.length && r.rateOff.length) r.measured = median(r.rateOn) / median(r.rateOff);
+  return r;
+}
+
+function renderSpeedup() {
+  const fc = S.status?.forward_costs;
+  const ms = fc?.batch1_ms;
+  setText('verify-costs', ms ? `batch 1: ${fc.grid.per_sequence.map((n) => `${n} token${n > 1 ? 's' : ''} `
+    + `${fmt(ms[n - 1], 1)} ms (v ${fmt(ms[n - 1] / ms[0], 2)})`).join(' · ')}`
+    : 'no forward-cost grid: the app measures one only for its own engine with the load-aware K');
+  const r = speedups();
+  setText('speedup-predicted', r.predicted === undefined ? '–' : `${fmt(r.predicted, 2)}×`);
+  setText('speedup-measured', r.measured === undefined ? '–' : `${fmt(r.measured, 2)}×`);
+  setText('speedup-inputs', r.predicted === undefined ? (ms ? 'needs a finished turn with speculation on' : '')
+    : `α ${fmt(r.alpha, 3)}, K ${r.k} over ${turnsText(r.turnsOn)} → E ${fmt(r.e, 3)} tokens `
+      + `per forward (measured ${fmt(r.tokensPerForward, 2)}); v(${r.k + 1}) ${fmt(r.v, 3)}`);
+  setText('speedup-rates', r.measured === undefined ? 'needs finished turns with speculation on and off'
+    : `tokens/s ${fmt(median(r.rateOn), 1)} on (${turnsText(r.rateOn.length)}) ÷ ${fmt(median(r.rateOff), 1)} off `
+      + `(${turnsText(r.rateOff.length)})`);
 }
 
 function renderTranscript() {

@@ -63,7 +63,7 @@ function onJson(m) {
       break;
     case 'turn':
       S.turns[m.turn] = { ...m, pieces: [], steps: [], proposed: 0, accepted: 0, emitted: 0, forwards: 0,
-        tokensPerS: null, data: null, heard: null };
+        specSteps: 0, rejections: 0, tokensPerS: null, data: null, heard: null };
       S.order.push(m.turn);
       S.current = m.turn;
       break;
@@ -77,6 +77,9 @@ function onJson(m) {
       t.accepted += m.accepted;
       t.emitted += m.step_tokens;
       t.forwards += 1;
+      // specdec.metrics' alpha and mean_k, for the predicted speedup: a step a drafter ran for, and one it lost
+      if (m.k_chosen > 0) t.specSteps += 1;
+      if (m.accepted < m.drafted) t.rejections += 1;
       t.batchSize = m.batch_size;
       t.kChosen = m.k_chosen;
       t.steps.push({
@@ -97,6 +100,9 @@ function onJson(m) {
       if (t) t.heard = m;
       break;
     }
+    case 'early': // an answer started at the user's pause: kept if the turn ends on those words, else thrown away
+      if (Object.hasOwn(S.early, m.event)) S.early[m.event] += 1;
+      break;
     case 'flush':
       flushPlayback();
       break;

@@ -8,7 +8,7 @@ export const S = {
   micMode: null, pttHeld: false, micLevel: 0, vad: 'mic off', partial: '', framesSent: 0,
   framesPlayed: 0, buffered: 0, playing: false, audioPackets: 0,
   turns: {}, order: [], current: null, heardReports: [], ab: {}, abOrder: [], messages: [],
-  touched: new Set(), downloads: 0, arrivals: {},
+  touched: new Set(), downloads: 0, arrivals: {}, early: { started: 0, kept: 0, discarded: 0 },
 };
 window.specvoice = S;
 

@@ -1,0 +1,154 @@
+"""One user turn heard as it is spoken: VAD and streaming ASR, the end of the turn by words and silence, and the
+two things started before the turn ends (the user's words prefilled as they come, an early answer at the pause)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from .asr import StreamingTranscriber, Transcriber
+from .audio import AudioError
+from .preemptive import Hold
+from .timeline import Timeline
+from .turn_end import TurnEnd
+from .vad import EndOfTurnDetector, VadEvent
+
+# start_early(words, timeline, hold): answer words now, holding everything until the hold is confirmed
+StartEarly = Callable[[str, Timeline, Hold], None]
+# prefill(words): the words heard so far, minus the last one (the ASR still revises it), may be prefilled
+Prefill = Callable[[str], None]
+# notify(message): {"type": "early", "event": "started" | "kept" | "discarded", "text": ...}
+Notify = Callable[[dict], None]
+
+
+@dataclass
+class HeardTurn:
+    transcript: str
+    timeline: Timeline
+    early: Hold | None = None  # an early answer on exactly these words, confirmed: it is this turn's answer
+
+
+class TurnListener:
+    """VAD and streaming ASR over one user turn, fed as audio arrives (microphone or replayed file).
+
+    At the first silence after speech the ASR transcribes at once; the words it hears up to the last voiced sample
+    set the silence that ends the turn (TurnEnd) and, given start_early, start an answer on them that stays held.
+    Speech again discards it; the end of the turn confirms it if the final words are the same.
+    """
+
+    def __init__(
+        self,
+        transcriber: Transcriber,
+        turn_end: TurnEnd,
+        asr_interval_s: float = 1.0,
+        start_early: StartEarly | None = None,
+        prefill: Prefill | None = None,
+        notify: Notify | None = None,
+    ) -> None:
+        self.turn_end = turn_end
+        self.vad = EndOfTurnDetector(hangover_ms=turn_end.hangover_ms(None))
+        # A whisper call costs ~0.2 s here (10 s window). Partials every second leave the ASR thread idle most of
+        # the time, so the call started when the speaker pauses can begin at once.
+        self.asr = StreamingTranscriber(transcriber, interval_s=asr_interval_s)
+        self.start_early, self.prefill, self.notify = start_early, prefill, notify
+        self.started = False
+        self._pause_words: str | None = None  # what was said up to the current pause, once transcribed
+        self._prefilled = ""
+        self._early: tuple[Hold, Timeline] | None = None
+        self._discarded = 0
+
+    def feed(self, chunk16k: np.ndarray, t_start: float) -> VadEvent | None:
+        """Feed audio whose first sample was captured at t_start (perf_counter clock). Returns end_of_turn."""
+        self.asr.feed(chunk16k)
+        was_paused = self.vad.paused
+        for ev in self.vad.feed(chunk16k, t_start):
+            if ev.kind == "speech_start":
+                self.started = True
+            elif ev.kind == "end_of_turn":
+                return ev
+        if not self.vad.paused:
+            if was_paused:  # the speaker went on: what was started on the words before the pause is not the turn
+                self._pause_words = None
+                self.vad.hangover_s = self.turn_end.hangover_ms(None) / 1000
+                self._discard_early()
+            self._prefill_words()
+            return None
+        if not was_paused:
+            self.asr.speech_paused()
+        if self._pause_words is None:
+            self._pause_words = self.asr.covering(self.vad.last_voiced[1])
+            if self._pause_words is not None:
+                self.vad.hangover_s = self.turn_end.hangover_ms(self._pause_words) / 1000
+                self._start_early(self._pause_words)
+        return None
+
+    def _prefill_words(self) -> None:
+        if self.prefill is None:
+            return
+        words = self.asr.partial.rsplit(" ", 1)[0] if " " in self.asr.partial else ""
+        if words and words != self._prefilled:
+            self._prefilled = words
+            self.prefill(words)
+
+    def _start_early(self, words: str) -> None:
+        if self.start_early is None or not words.strip() or self._early is not None:
+            return
+        timeline, hold = Timeline(), Hold(words.strip())
+        timeline.mark("speech_end", self.vad.last_voiced[0])
+        timeline.early_start = time.perf_counter()
+        self._early = (hold, timeline)
+        self._tell("started", hold.words)
+        self.start_early(hold.words, timeline, hold)
+
+    def _discard_early(self) -> None:
+        if self._early is not None:
+            hold, _ = self._early
+            self._early = None
+            hold.discard()
+            self._discarded += 1
+            self._tell("discarded", hold.words)
+
+    def _tell(self, event: str, words: str) -> None:
+        if self.notify is not None:
+            self.notify({"type": "early", "event": event, "text": words})
+
+    def stop(self) -> VadEvent | None:
+        """The audio stopped before the VAD ended the turn (push-to-talk released, length limit): end it now."""
+        return next((ev for ev in self.vad.finish() if ev.kind == "end_of_turn"), None)
+
+    def finish(self, end: VadEvent | None) -> HeardTurn:
+        """The turn's final transcript and timeline; an early answer on the same words is confirmed, any other
+        discarded. AudioError when there is nothing to answer."""
+        early, self._early = self._early, None
+        if end is None:
+            if early is not None:
+                self._early = early
+                self._discard_early()
+            raise AudioError("no speech detected")
+        text = self.asr.finish(trailing_silence_s=end.decided_t - end.last_voiced_t).strip()
+        kept = early is not None and early[0].words == text and early[1].marks["speech_end"] == end.last_voiced_t
+        timeline = early[1] if kept and early is not None else Timeline()
+        timeline.mark("speech_end", end.last_voiced_t)
+        timeline.mark("end_of_turn", end.decided_t)
+        timeline.mark("asr_final", time.perf_counter())
+        if self.turn_end.mode == "words":
+            timeline.silence_rule_ms = self.turn_end.silence_ms
+        if early is not None and not kept:
+            self._early = early
+            self._discard_early()
+        timeline.early_discarded = self._discarded
+        if not text:
+            raise AudioError("speech was detected but nothing intelligible was transcribed")
+        if early is None or not kept:
+            return HeardTurn(text, timeline)
+        early[0].confirm()
+        self._tell("kept", text)
+        return HeardTurn(text, timeline, early[0])
+
+    def close(self) -> None:
+        """Abandon the turn: the ASR stops and an early answer still held is discarded."""
+        self._discard_early()
+        self.asr.close()

@@ -1,0 +1,84 @@
+"""Preemptive generation: an answer started at the user's pause, on the words heard so far, before the turn ends.
+
+The answer runs (prefill, decode, TTS) while the end-of-turn silence is still being waited for, but nothing of it
+leaves until the turn is confirmed with the same words. If the user speaks again, or the final words differ, it is
+discarded: it stops, and what it would have sent, played or remembered never is.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Literal
+
+HoldState = Literal["held", "confirmed", "discarded"]
+
+
+class ChildCancel(threading.Event):
+    """A cancel event of its own that also reads as set when its parent is: an early answer stops when it is
+    discarded (this one) or when the whole turn is interrupted (the parent), and discarding it touches nothing else."""
+
+    def __init__(self, parent: threading.Event) -> None:
+        super().__init__()
+        self.parent = parent
+
+    def is_set(self) -> bool:
+        return super().is_set() or self.parent.is_set()
+
+
+class Hold:
+    """What an early answer sends waits here until the turn is confirmed (then it goes out, in order) or discarded
+    (then it never does, and the answer's cancel events are set)."""
+
+    def __init__(self, words: str) -> None:
+        self.words = words  # the transcript the answer was started on
+        self.state: HoldState = "held"
+        self._cond = threading.Condition()
+        self._queued: list[Callable[[], None]] = []
+        self._cancels: list[threading.Event] = []
+
+    def post(self, action: Callable[[], None]) -> None:
+        """Run action now if the turn is confirmed, once it is if still held, never if discarded."""
+        with self._cond:  # under the lock, so a confirm() flushing the queue cannot be overtaken
+            if self.state == "held":
+                self._queued.append(action)
+            elif self.state == "confirmed":
+                action()
+
+    def wrap(self, sink: Callable[[str, object], None]) -> Callable[[str, object], None]:
+        """An event sink (kind, payload) whose events are held like post()'s actions."""
+        return lambda kind, payload: self.post(lambda: sink(kind, payload))
+
+    def link(self, cancel: threading.Event) -> None:
+        """Set cancel when the answer is discarded (at once if it already was)."""
+        with self._cond:
+            self._cancels.append(cancel)
+            if self.state == "discarded":
+                cancel.set()
+
+    def confirm(self) -> None:
+        with self._cond:
+            if self.state != "held":
+                return
+            self.state = "confirmed"
+            for action in self._queued:
+                action()
+            self._queued.clear()
+            self._cond.notify_all()
+
+    def discard(self) -> None:
+        with self._cond:
+            if self.state != "held":
+                return
+            self.state = "discarded"
+            self._queued.clear()
+            for cancel in self._cancels:
+                cancel.set()
+            self._cond.notify_all()
+
+    def wait(self) -> bool:
+        """Block while the turn is undecided; True when it was confirmed."""
+        with self._cond:
+            while self.state == "held":
+                self._cond.wait()
+            return self.state == "confirmed"
