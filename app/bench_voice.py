@@ -1,4 +1,5 @@
-"""`specvoice bench-voice`: paired speculation-off/on TTFA over many recordings, in one process."""
+"""`specvoice bench-voice`: paired speculation-off/on TTFA over many recordings, in one process; with the folder's
+transcripts.json, whether each was heard right; and whether each turn stayed whole (did not end at a pause)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 from app.stats import bootstrap_ci, paired_ratio, spread
@@ -13,9 +15,12 @@ from pipeline.agent import VoiceAgent, ab_order
 from pipeline.audio import load_audio, to_mono_16k
 from pipeline.options import add_agent_arguments, agent_config_from_args
 from pipeline.timeline import STAGES
+from pipeline.wer import normalize_words
 from specdec.metrics import DEFINITIONS
 
 from .say import run_turn
+
+WHOLE_MARGIN_S = 0.5  # a turn is whole when its speech ends this close to the recording's end, or closer
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,6 +34,8 @@ def main(args: argparse.Namespace) -> int:
     wavs = sorted(Path(args.wavs).glob("*.wav"))
     if not wavs:
         raise FileNotFoundError(f"no .wav files in {args.wavs}")
+    said = Path(args.wavs) / "transcripts.json"
+    expected = json.loads(said.read_text()) if said.exists() else {}
     agent = VoiceAgent(agent_config_from_args(args))
     agent.warmup()
     conv = agent.new_conversation()
@@ -36,7 +43,17 @@ def main(args: argparse.Namespace) -> int:
     for rep in range(args.repeats):
         for i, wav in enumerate(wavs):
             audio = to_mono_16k(*load_audio(wav))
-            turns = {spec: run_turn(agent, conv, audio, spec, paired=True).to_dict() for spec in ab_order(rep + i)}
+            turns = {}
+            for spec in ab_order(rep + i):
+                started = time.perf_counter()  # the replay's first sample, within a millisecond
+                result = run_turn(agent, conv, audio, spec, paired=True)
+                turn = turns[spec] = result.to_dict()
+                turn["speech_end_s"] = result.timeline.marks["speech_end"] - started
+                turn["whole"] = turn["speech_end_s"] >= len(audio) / 16000 - WHOLE_MARGIN_S
+                turn["early_kept"] = result.timeline.early_start is not None
+                turn["early_discarded"] = result.timeline.early_discarded
+                if wav.stem in expected:
+                    turn["heard_right"] = normalize_words(turn["transcript"]) == normalize_words(expected[wav.stem])
             pair = {
                 "wav": wav.name,
                 "repeat": rep,
@@ -69,6 +86,18 @@ def main(args: argparse.Namespace) -> int:
             m: statistics.median(p[m]["first_chunk_tokens"] for p in pairs) for m in ("off", "on")
         },
         "draft_acceptance_rate_median": statistics.median(p["on"]["draft_acceptance_rate"] or 0 for p in pairs),
+        "turns": 2 * len(pairs),
+        "turns_whole": sum(p[m]["whole"] for p in pairs for m in ("off", "on")),
+        "turns_heard_right": sum(p[m].get("heard_right", False) for p in pairs for m in ("off", "on")),
+        "early_answers_kept": sum(p[m]["early_kept"] for p in pairs for m in ("off", "on")),
+        "early_answers_discarded": sum(p[m]["early_discarded"] for p in pairs for m in ("off", "on")),
+        "saved_ms_median": {
+            name: statistics.median(p[m]["saved_ms"].get(name, 0.0) for p in pairs for m in ("off", "on"))
+            for name in ("preemptive", "turn end by words")
+        },
+        "prefilled_while_speaking_tokens_median": statistics.median(
+            p[m]["prefilled_while_speaking_tokens"] for p in pairs for m in ("off", "on")
+        ),
         "transcripts_match": sum(p["off"]["transcript"] == p["on"]["transcript"] for p in pairs) / len(pairs),
         "answers_match": sum(p["off"]["answer"] == p["on"]["answer"] for p in pairs) / len(pairs),
     }

@@ -479,9 +479,13 @@ class ClientSession:
         self.send({"type": "done", "turn": turn, "data": data})
         return data
 
-    def _guarded(self, body: Callable[[], object]) -> None:
-        """Run an answer under the server-wide limit, turning failures into one message."""
+    def _guarded(self, body: Callable[[], object], hold: Hold | None = None) -> None:
+        """Run an answer under the server-wide limit, turning failures into one message. An early answer (hold) that
+        finds no room is given up quietly: its turn asks again, as any turn, once it has ended."""
         if not self.server.slots.try_acquire():
+            if hold is not None:
+                hold.discard()
+                return
             self.send({"type": "busy", "message": self.server.slots.busy_message()})
             return
         try:
@@ -496,7 +500,7 @@ class ClientSession:
     def _turn_job(
         self, text: str, timeline: Timeline, kind: str, cancel: threading.Event, hold: Hold | None = None
     ) -> None:
-        self._guarded(lambda: self._answer(text, timeline, self.settings["speculation"], kind, cancel, hold=hold))
+        self._guarded(lambda: self._answer(text, timeline, self.settings["speculation"], kind, cancel, hold=hold), hold)
 
     def _ab_job(self, text: str, audio: np.ndarray | None, repeats: int, cancel: threading.Event) -> None:
         def body() -> None:

@@ -129,7 +129,12 @@ class TurnListener:
                 self._discard_early()
             raise AudioError("no speech detected")
         text = self.asr.finish(trailing_silence_s=end.decided_t - end.last_voiced_t).strip()
-        kept = early is not None and early[0].words == text and early[1].marks["speech_end"] == end.last_voiced_t
+        kept = (
+            early is not None
+            and early[0].state == "held"  # not given up by its answerer (e.g. no room to answer it early)
+            and early[0].words == text
+            and early[1].marks["speech_end"] == end.last_voiced_t
+        )
         timeline = early[1] if kept and early is not None else Timeline()
         timeline.mark("speech_end", end.last_voiced_t)
         timeline.mark("end_of_turn", end.decided_t)

@@ -361,9 +361,15 @@ def test_voice_turns_barge_in_and_push_to_talk(app):
         feeder.start()
         flush, _ = recv_until(ws, lambda m: m["type"] == "flush")
         assert flush["reason"] == "barge-in"
-        voice, _ = recv_until(ws, lambda m: m["type"] == "done")
+        voice, seen = recv_until(ws, lambda m: m["type"] == "done")
         feeder.join()
         assert voice["data"]["kind"] == "voice" and "capital" in voice["data"]["transcript"].lower()
+        # preemptive generation: the answer started at the pause on the same words, held until the turn ended
+        early = [m["event"] for m in seen if isinstance(m, dict) and m["type"] == "early"]
+        assert early == ["started", "kept"] and voice["data"]["saved_ms"]["preemptive"] > 0
+        (announced,) = [m for m in seen if isinstance(m, dict) and m["type"] == "turn"]
+        kinds = [(m["type"], m.get("event")) for m in seen if isinstance(m, dict)]
+        assert announced["early"] and kinds.index(("early", "kept")) < kinds.index(("turn", None))  # held till then
         # a finished question: the short hang-over of --end-of-turn words, on frame boundaries
         assert voice["data"]["stages"]["end_of_turn_wait"] >= app.server.loader.config.turn_end.complete_ms - 40
         # Push-to-talk: releasing ends the turn, whatever the VAD thinks.

@@ -131,6 +131,8 @@ def test_spoken_turn_is_answered_heard_and_measured(page):
     assert page.locator("#transcript .tok-draft").count() > 0 and page.locator("#transcript .tok-target").count() > 0
     assert page.locator("#waterfall .sv-wf-row").count() >= 6  # five stages, TTFA (and heard)
     assert "accepted draft tokens" in page.inner_text("#sv-panels")  # the definition from specdec.metrics
+    # the answer was started at the pause and kept: the page says what that hid
+    assert "preemptive:" in page.inner_text("#ttfa-saved") and "kept" in page.inner_text("#early-answers")
     page.screenshot(path=SCREENSHOT, full_page=True)
 
 

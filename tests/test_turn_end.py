@@ -214,3 +214,25 @@ def test_prefill_while_speaking_caches_the_words_and_changes_no_token(tiny_engin
         answers.append([d.text for d in llm.stream_reply(final, True, stats)])
         assert (stats.prefilled_while_speaking_tokens > 0) is prefill
     assert answers[0] == answers[1]
+
+
+@needs_espeak
+def test_an_early_answer_given_up_by_its_answerer_leaves_the_turn_to_be_answered_normally():
+    """The app gives an early answer up when no answer slot is free: the turn then asks again once it ends."""
+    from pipeline.listener import TurnListener
+    from pipeline.vad import FRAME
+
+    audio, ends = spoken("What is the capital of France?", 1.2)
+    asr = ScriptedASR([(ends[0] - 0.1, "What is the capital of France?")])
+    started: list[Hold] = []
+    listener = TurnListener(asr, TurnEnd(), start_early=lambda words, tl, hold: (started.append(hold), hold.discard()))
+    end = None
+    for i in range(0, len(audio), FRAME):
+        end = listener.feed(audio[i : i + FRAME], i / SAMPLE_RATE)
+        if end is not None:
+            break
+        time.sleep(0.002)  # let the ASR thread publish its partials
+    heard = listener.finish(end)
+    listener.close()
+    assert len(started) == 1 and heard.early is None and heard.transcript == "What is the capital of France?"
+    assert heard.timeline.early_start is None and heard.timeline.early_discarded == 1
