@@ -3,9 +3,12 @@
 #   docker run --gpus all -p 7860:7860 specvoice
 # Not built in CI (no Docker there); tests/test_dockerfile.py lints it with hadolint. See docs/vllm.md.
 #
-# Torch comes from the base image as a CUDA build. pyproject.toml pins the CPU wheel the developers use, so
-# the project goes in with --no-deps and its other dependencies are read from pyproject.toml minus torch.
-ARG BASE_IMAGE=pytorch/pytorch:2.11.0-cuda12.8-cudnn9-runtime
+# Torch comes from the base image as a CUDA build of the version pyproject.toml pins (tests/test_dockerfile.py
+# checks that they agree), so the project goes in with --no-deps and its other dependencies are read from
+# pyproject.toml minus torch: pip never swaps the image's CUDA torch for a wheel from PyPI.
+# The tag is unverified here (no Docker, no registry access): it is one that public Dockerfiles use for torch
+# 2.13.0. CUDA 12.6, below the 12.8 of the torch 2.11 tag before it, so every driver that ran that one runs this.
+ARG BASE_IMAGE=pytorch/pytorch:2.13.0-cuda12.6-cudnn9-runtime
 FROM ${BASE_IMAGE}
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]

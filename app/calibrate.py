@@ -1,5 +1,7 @@
-"""`specvoice calibrate`: measure this machine's forward costs and acceptance, fit the speedup model
-E(α, K) / (cK + v(K + 1)), and set its predictions beside measured speedups for K = 1 … 8."""
+"""`specvoice calibrate`: measure this machine's forward and drafting costs and acceptance, fit the speedup model
+E(α, K) / (cK + v(K + 1)), and set its predictions beside measured speedups for K = 1 … 8. Everything is timed
+through what the app runs: the engine's BatchRunner for the target and the engine's own drafter (the default draft
+heads, a draft model or n-gram) for the drafts, on --device."""
 
 from __future__ import annotations
 
@@ -13,11 +15,11 @@ from pathlib import Path
 from pipeline.options import add_engine_arguments, spec_from_args
 from specdec.bench import read_prompts, run_engine
 from specdec.build import build_engine
-from specdec.calibrate import measured_forward_seconds
-from specdec.drafters import DraftModelDrafter
-from specdec.engine import GenerationConfig
+from specdec.calibrate import measured_draft_seconds, measured_forward_seconds
+from specdec.engine import EngineSession, GenerationConfig
 from specdec.kpolicy import FixedK
 from specdec.metrics import DEFINITIONS, SpecStats, expected_tokens_per_step
+from specdec.timing import clock
 
 DEFAULT_PROMPTS = [
     "What is the capital of Australia?",
@@ -32,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--k-values", default="1,2,3,4,5,6,7,8")
-    parser.add_argument("--repeats", type=int, default=5, help="timed forwards per point (median)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed forwards and proposals per point (median)")
     parser.add_argument("--json", default="calibration.json")
 
 
@@ -41,55 +43,61 @@ def main(args: argparse.Namespace) -> int:
     spec.draft_min_prob = 0.0  # Leviathan's model drafts K tokens every step: no confidence gate here
     engine, target = build_engine(spec)
     if engine.drafter_factory is None:
-        raise ValueError("calibrate needs a drafter: --draft MODEL or --draft ngram")
-    if engine.drafter_kind == "heads":  # its cost is not one model forward; bench measures it as draft_cost_ratio
-        raise ValueError("calibrate times a draft model's forward; for --draft heads see `specvoice bench`")
+        raise ValueError("calibrate needs a drafter: --draft heads (the default), a draft model or ngram")
     engine.auto_off = False  # measure every K as it is, even where it loses
     device = target.device
     t_start = time.perf_counter()
     verify = {n: measured_forward_seconds(engine.runner, n, repeats=args.repeats) for n in range(1, 17)}
     fit = statistics.linear_regression(list(verify), list(verify.values()))  # least squares: a + b·tokens
     a, b = fit.intercept, fit.slope
-    drafter = engine.drafter_factory()
-    draft_s = (
-        measured_forward_seconds(drafter.cache.runner, 1, repeats=args.repeats)
-        if isinstance(drafter, DraftModelDrafter)
-        else 0.0
-    )
-    c = draft_s / verify[1]
-    print(
-        f"target forward: {verify[1] * 1000:.1f} ms (1 token) … {verify[16] * 1000:.1f} ms (16); "
-        f"draft {draft_s * 1000:.1f} ms; c = {c:.3f}",
-        file=sys.stderr,
-    )
 
     rows = read_prompts(args.prompts, args.limit) if args.prompts else [{"prompt": p} for p in DEFAULT_PROMPTS]
     prompts = [target.tokenizer.chat_ids([{"role": "user", "content": r["prompt"]}]) for r in rows]
+    # A drafter in the state a step meets it: a conversation holding the first prompt (heads: with the target's
+    # features of it), then one token it has not seen.
+    session = EngineSession(engine)
+    session.prefill(prompts[0])
+    drafter = session.drafter
+    assert drafter is not None  # the engine has a drafter factory
+    context = prompts[0] + prompts[0][-1:]
+    k_values = [int(x) for x in args.k_values.split(",")]
+    draft = {k: measured_draft_seconds(drafter, context, k, device, args.repeats) for k in sorted({1, *k_values})}
+    c = draft[1][0] / verify[1]
+    print(
+        f"target forward: {verify[1] * 1000:.1f} ms (1 token) … {verify[16] * 1000:.1f} ms (16); "
+        f"{engine.drafter_kind}: {draft[1][0] * 1000:.2f} ms for one draft; c = {c:.3f}",
+        file=sys.stderr,
+    )
+
     n = args.max_new_tokens
     run_engine(engine, prompts[0], GenerationConfig(4))  # warm-up
 
     def tokens_per_s(config: GenerationConfig, stats: SpecStats | None = None) -> float:
         tokens, seconds = 0, 0.0
         for p in prompts:
-            t0 = time.perf_counter()
+            t0 = clock(device)
             tokens += len(run_engine(engine, p, config, stats))
-            seconds += time.perf_counter() - t0
+            seconds += clock(device) - t0
         return tokens / seconds
 
     baseline = tokens_per_s(GenerationConfig(n, speculate=False))
     per_k = []
-    for k in (int(x) for x in args.k_values.split(",")):
+    for k in k_values:
         stats = SpecStats()
         measured = tokens_per_s(GenerationConfig(n, k_policy=lambda k=k: FixedK(k)), stats) / baseline
-        v = (a + b * (k + 1)) / verify[1]
-        e = expected_tokens_per_step(stats.alpha, k)
+        draft_s, drafted = draft[k]  # medusa heads propose at most one draft per head (4)
+        v = (a + b * (drafted + 1)) / verify[1]
+        e = expected_tokens_per_step(stats.alpha, drafted)
         per_k.append(
             {
                 "k": k,
+                "drafted": drafted,
                 "alpha": stats.alpha,
                 "draft_acceptance_rate": stats.draft_acceptance_rate,
+                "draft_s": draft_s,
+                "draft_cost_ratio": draft_s / drafted / verify[1] if drafted else 0.0,
                 "verify_cost_ratio": v,
-                "predicted_speedup": e / (c * k + v),
+                "predicted_speedup": e / (draft_s / verify[1] + v),
                 "measured_speedup": measured,
             }
         )
@@ -103,10 +111,12 @@ def main(args: argparse.Namespace) -> int:
         "device": str(device),
         "dtype": spec.dtype,
         "target": spec.target,
+        "target_quant": spec.target_quant,
         "draft": spec.draft,
+        "drafter_kind": engine.drafter_kind,
         "target_forward_s_by_tokens": verify,
         "verify_fit": {"intercept_s": a, "per_token_s": b},
-        "draft_forward_s": draft_s,
+        "draft_s_by_k": {k: s for k, (s, _) in draft.items()},
         "draft_cost_ratio": c,
         "baseline_tokens_per_s": baseline,
         "per_k": per_k,

@@ -15,7 +15,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -50,6 +50,7 @@ class ServerOptions:
     kept_audio_turns: int = 20  # answers whose audio stays replayable, per tab
     max_background: int = 16  # the load control's top: simulated conversations beside the real ones
     background_conversations: int = 0  # started once the models are ready
+    allowed_origins: tuple[str, ...] = ()  # pages served elsewhere (a proxy) that may open the socket too
 
 
 class RevalidatedStaticFiles(StaticFiles):
@@ -62,27 +63,63 @@ class RevalidatedStaticFiles(StaticFiles):
         return response
 
 
-def origin_allowed(origin: str | None, host_header: str | None, bind_host: str, port: int) -> bool:
+DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def origin_key(origin: str) -> tuple[str, str, int] | None:
+    """(scheme, host, port) of one http(s) origin, scheme://host[:port]; None for anything else: "null", a path,
+    credentials or a wildcard (an origin names exactly one site, so no pattern can widen the check)."""
+    try:
+        o = urlsplit(origin)
+        port = o.port if o.port is not None else DEFAULT_PORTS.get(o.scheme)
+    except ValueError:  # a malformed port
+        return None
+    if o.scheme not in DEFAULT_PORTS or not o.hostname or port is None or "*" in o.netloc:
+        return None
+    if o.username is not None or o.path or o.query or o.fragment:
+        return None
+    return o.scheme, o.hostname, port
+
+
+def web_origin(value: str) -> str:
+    """argparse type of --allowed-origin: one exact origin."""
+    if origin_key(value) is None:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not an origin: give scheme://host[:port] as the browser's address bar shows it, "
+            "e.g. https://gpu.example.com:8443 (no path, no wildcard)"
+        )
+    return value
+
+
+def origin_allowed(
+    origin: str | None, host_header: str | None, bind_host: str, port: int, allowed: Iterable[str] = ()
+) -> bool:
     """Guard against cross-site WebSocket hijacking: only pages this app served may open its socket.
 
     The Origin must name the same host:port the browser connected to (the Host header), on our port; and when we
     listen on loopback, that host must be a loopback name, so a DNS-rebinding name pointing at 127.0.0.1 fails too.
+    Or it is one of `allowed` (--allowed-origin): behind a reverse proxy or a remapped port (docker -p 8080:7860)
+    the page comes from another host:port than ours, and the proxy may rewrite Host, so only the user can name it.
     """
-    if not origin or not host_header:
+    o = origin_key(origin) if origin else None
+    if o is None:
         return False
-    o, h = urlsplit(origin), urlsplit(f"//{host_header}")
+    if o in {origin_key(a) for a in allowed}:
+        return True
+    if not host_header:
+        return False
+    h = urlsplit(f"//{host_header}")
     try:
-        o_port, h_port = o.port or {"http": 80, "https": 443}.get(o.scheme), h.port
+        h_port = h.port
     except ValueError:  # a malformed port
         return False
-    if o.scheme not in ("http", "https") or not o.hostname or (o.hostname, o_port) != (h.hostname, h_port):
-        return False
-    if h_port != port:
+    _, o_host, o_port = o
+    if (o_host, o_port) != (h.hostname, h_port) or h_port != port:
         return False
     if bind_host in ("0.0.0.0", "::", ""):
         return True  # listening everywhere: any name may reach us, but the page must come from that name
-    allowed = {bind_host.strip("[]").lower()} | (LOOPBACK_NAMES if bind_host in LOOPBACK_NAMES else set())
-    return o.hostname.lower() in allowed
+    allowed_hosts = {bind_host.strip("[]").lower()} | (LOOPBACK_NAMES if bind_host in LOOPBACK_NAMES else set())
+    return o_host in allowed_hosts
 
 
 # ------------------------------------------------------------------------------------------- models
@@ -264,7 +301,10 @@ class AppServer:
                 session.loading_finished()
 
     async def websocket(self, ws: WebSocket) -> None:
-        if not origin_allowed(ws.headers.get("origin"), ws.headers.get("host"), self.options.host, self.options.port):
+        opts = self.options
+        if not origin_allowed(
+            ws.headers.get("origin"), ws.headers.get("host"), opts.host, opts.port, opts.allowed_origins
+        ):
             await ws.close(code=1008)  # before accept(): the handshake is refused with HTTP 403
             return
         await ws.accept()
@@ -371,6 +411,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default=d.host, help="interface to listen on (default: loopback only)")
     parser.add_argument("--port", type=int, default=d.port)
     parser.add_argument(
+        "--allowed-origin",
+        dest="allowed_origins",
+        action="append",
+        type=web_origin,
+        default=[],
+        metavar="ORIGIN",
+        help="also accept the page from this exact origin, e.g. https://gpu.example.com:8443 behind a reverse proxy "
+        "or http://localhost:8080 for docker -p 8080:7860 (repeatable; default: only the app's own host:port)",
+    )
+    parser.add_argument(
         "--max-concurrent-answers",
         type=int,
         default=None,
@@ -395,6 +445,7 @@ def server_setup(args: argparse.Namespace) -> tuple[AgentConfig, ServerOptions]:
     limit = args.max_concurrent_answers or ServerOptions.max_concurrent_answers
     options = ServerOptions(args.host, args.port, limit, args.max_turn_s)
     options.background_conversations = args.background_conversations
+    options.allowed_origins = tuple(args.allowed_origins)
     return config, options
 
 

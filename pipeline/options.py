@@ -25,8 +25,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default=d.target, help="preset, local directory or hub id")
     parser.add_argument(
         "--draft",
-        default=d.draft,
-        help="draft preset/path/hub id, 'heads' (draft heads on the target), 'ngram' or 'none'",
+        default="",
+        help="draft preset/path/hub id, 'heads' (draft heads on the target), 'ngram' or 'none' (default: the target "
+        "preset's draft, qwen-0.5b-instruct for qwen-7b; else heads)",
     )
     parser.add_argument(
         "--heads",
@@ -37,20 +38,22 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--k-min", type=int, default=d.k_min)
     parser.add_argument("--k-max", type=int, default=d.k_max)
     parser.add_argument("--dtype", default=d.dtype, choices=list(DTYPES))
-    parser.add_argument("--device", default=d.device, help="cpu or cuda")
+    parser.add_argument("--device", default=d.device, help="cpu, cuda or cuda:N; sets the defaults marked (device)")
     parser.add_argument(
         "--target-quant",
-        default=d.target_quant,
+        default="",
         choices=list(TARGET_QUANTS),
         help="the target's Linear weights: none (--dtype), int8 or int4 weight-only, w8a8 (int8 weights and "
         "per-token int8 activations, on oneDNN where the CPU has AMX, else fbgemm; w8a8-onednn / w8a8-fbgemm pick "
-        "one); all CPU, all keep speculation lossless against that target",
+        "one); all but none are CPU formats, all keep speculation lossless against that target (device: w8a8 on "
+        "cpu, none on cuda)",
     )
     parser.add_argument(
         "--draft-quant",
-        default=d.draft_quant,
+        default="",
         choices=["int8", "none"],
-        help="int8: the target's w8a8 Linear layers for the draft model and the heads (CPU)",
+        help="int8: the target's w8a8 Linear layers for the draft model and the heads, a CPU format (device: int8 "
+        "on cpu, none on cuda)",
     )
     parser.add_argument(
         "--draft-vocab",
@@ -75,8 +78,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--draft-min-prob",
         type=float,
         default=d.draft_min_prob,
-        help="stop drafting where the draft's top token has a lower probability (0: always K; "
-        "default: the draft preset's measured value, 0.35 for qwen-0.5b)",
+        help="stop drafting where the draft's top token has a lower probability (0: always K; device: on cpu the "
+        "drafter's value measured there, 0.35 for qwen-0.5b; 0 on cuda)",
     )
     parser.add_argument(
         "--compile",
@@ -93,8 +96,6 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def spec_from_args(args: argparse.Namespace) -> EngineSpec:
-    if args.device == "cuda":  # the quantized formats are CPU kernels
-        args.draft_quant = args.target_quant = "none"
     return EngineSpec(
         target=args.target,
         draft=args.draft,

@@ -114,7 +114,11 @@ DEFAULT_TTS = "hibari"
 
 
 def make_tts(name: str = DEFAULT_TTS) -> TTS:
-    """A TTS engine by name: "hibari" (default), "piper", "coqui"."""
+    """A TTS engine by name: "hibari" (default), "piper", "coqui".
+
+    On the CPU whatever --device says: hibari opens its onnxruntime session with the CPU provider only, and the
+    onnxruntime wheel that piper's session runs on is the CPU build (the GPU one is another package,
+    onnxruntime-gpu). hibari speaks about 100x faster than real time on one core, so a GPU would save little."""
     engine = ENGINES.get(name.strip().lower())
     if engine is None:
         raise ValueError(f"unknown TTS {name!r}; choose one of: {', '.join(ENGINES)}")

@@ -20,8 +20,8 @@ from .models import (
     estimate_pair_bytes,
     load_model,
     log,
+    memory_bytes,
     release_free_memory,
-    resident_bytes,
 )
 from .quant import CALIBRATION_TEXT, quantize_linears, quantized_cache_path, replace_linears, w8a8_layer
 from .runner import BatchRunner, fastest_min_feed
@@ -36,28 +36,58 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclass(kw_only=True)  # many same-typed fields, easily swapped: every caller names them
 class EngineSpec:
+    """What to build. The fields left "" or None take the defaults of `device` (its torch device type, so cuda and
+    cuda:1 alike) and of the target preset when the spec is made; a CPU-only format asked for on another device is
+    refused then, not swapped."""
+
     target: str = "qwen-1.5b"
-    # A model, "heads" (draft heads on the target), "ngram", or "none". heads: as fast as the 0.5B draft here, 1.1 GB
-    # less memory, and no drafting before the first token, so speculation no longer delays it (docs/results.md).
-    draft: str = "heads"
+    # A model, "heads" (draft heads on the target), "ngram", or "none"; "": the target preset's draft (Preset.draft),
+    # else heads. heads: as fast as the 0.5B draft here, 1.1 GB less memory, and no drafting before the first token,
+    # so speculation no longer delays it (docs/results.md).
+    draft: str = ""
     heads: str = ""  # --draft heads: the heads file; "" for the target preset's shipped ones (assets/heads/)
     k: str = "adaptive"  # an integer, or "adaptive"
     k_min: int = 3
     k_max: int = 6
     dtype: str = "bfloat16"
-    device: str = "cpu"
-    # The target's Linear weights: "w8a8", "int8"/"int4" weight-only, or "none" (--dtype); see specdec/quant.py.
-    # w8a8 measured fastest with speculation on this CPU (docs/results.md, bench-target).
-    target_quant: str = "w8a8"
-    # Cheaper draft forwards (lossless: the target verifies every token).
-    draft_quant: str = "int8"  # "int8" (dynamic quantization of Linear layers, CPU) or "none"
+    device: str = "cpu"  # cpu, cuda or cuda:N
+    # The target's Linear weights: "w8a8", "int8"/"int4" weight-only (CPU kernels), or "none" (--dtype); see
+    # specdec/quant.py. "": w8a8 on the CPU, measured fastest with speculation here (docs/results.md, bench-target);
+    # none elsewhere.
+    target_quant: str = ""
+    # Cheaper draft forwards (lossless: the target verifies every token): "int8" (the w8a8 layers, CPU) or "none";
+    # "": int8 on the CPU, none elsewhere.
+    draft_quant: str = ""
     draft_vocab: int = 0  # draft LM head over the first N token ids; 0 keeps the whole vocabulary
     disable_by_batch_size: int | None = None  # vLLM's --speculative-disable-by-batch-size
     batched: bool = False  # answers go through a BatchScheduler, batched with each other (the app; bench-load)
     load_aware: bool = True  # a batch's K chosen from measured forward costs and acceptance (specdec/scheduler.py)
-    draft_min_prob: float | None = None  # stop drafting below this top-token probability; None: the preset's
+    # Stop drafting below this top-token probability. None: on the CPU the drafter's measured value (its preset's,
+    # HEADS_MIN_PROB); elsewhere 0, as those were measured here, where each verified draft costs a share of a forward.
+    draft_min_prob: float | None = None
     auto_off: bool = True  # the governor may switch speculation off where it measures it slower
     compile: bool = False  # torch.compile the target's dense layer halves (BatchRunner); measured, not faster here
+
+    def __post_init__(self) -> None:
+        try:
+            on_cpu = torch.device(self.device).type == "cpu"
+        except RuntimeError:
+            raise ValueError(f"--device must be cpu, cuda or cuda:N, got {self.device!r}") from None
+        if not self.draft:
+            preset = PRESETS.get(self.target)
+            self.draft = preset.draft if preset and preset.draft else "heads"
+        self.target_quant = self.target_quant or ("w8a8" if on_cpu else "none")
+        self.draft_quant = self.draft_quant or ("int8" if on_cpu else "none")
+        if on_cpu:
+            return
+        if self.draft_min_prob is None:
+            self.draft_min_prob = 0.0
+        for option, value in (("--target-quant", self.target_quant), ("--draft-quant", self.draft_quant)):
+            if value != "none":
+                raise ValueError(
+                    f"{option} {value} is a CPU format (specdec/quant.py), not for --device {self.device}: leave "
+                    f"{option} out there (none)"
+                )
 
 
 # The tiny random pair (float32, whole draft, no int8): instant to load, gibberish answers. For tests and for
@@ -97,14 +127,17 @@ def check_pair(target: LoadedModel, draft: LoadedModel) -> None:
 def prepare_draft_model(draft: LoadedModel, spec: EngineSpec, target: LoadedModel) -> Callable[[], Drafter]:
     """Apply the cost levers once; each answer then gets a drafter with its own KV cache."""
     model = draft.model
-    keep_ids, full_vocab = None, 0
-    if 0 < spec.draft_vocab < model.get_output_embeddings().out_features:
+    # The draft's q spans the target's p even where the draft's head is narrower: the same tokenizer, but Qwen2.5-7B
+    # pads its head to 152064 rows and the 0.5B to 151936. The rows it lacks are never drafted.
+    vocab, rows = target.model.config.vocab_size, model.get_output_embeddings().out_features
+    keep_ids = None
+    if 0 < spec.draft_vocab < rows:
         ids = set(range(spec.draft_vocab)) | target.tokenizer.eos_token_ids
         keep_ids = torch.tensor(sorted(ids), device=draft.device)
-        full_vocab = restrict_vocab(model, keep_ids)
+        restrict_vocab(model, keep_ids)
+    elif rows < vocab:
+        keep_ids = torch.arange(rows, device=draft.device)
     if spec.draft_quant == "int8":
-        if draft.device.type != "cpu":
-            raise ValueError("--draft-quant int8 is a CPU lever; use --draft-quant none on CUDA")
         quantize_linears(model, "w8a8")  # the target's w8a8 layers, without its smoothing
     elif spec.draft_quant != "none":
         raise ValueError(f"--draft-quant must be int8 or none, got {spec.draft_quant!r}")
@@ -114,15 +147,13 @@ def prepare_draft_model(draft: LoadedModel, spec: EngineSpec, target: LoadedMode
     if min_prob is None:
         preset = PRESETS.get(draft.name)
         min_prob = preset.draft_min_prob if preset else 0.0
-    return lambda: DraftModelDrafter(runner, keep_ids, full_vocab, min_prob)
+    return lambda: DraftModelDrafter(runner, keep_ids, vocab, min_prob)
 
 
 def quantize_target(target: LoadedModel, quant: str) -> None:
     """The target's Linear layers in `quant` (specdec/quant.py), in place."""
     if quant == "none":
         return
-    if target.device.type != "cpu":
-        raise ValueError("--target-quant is a CPU lever; use --target-quant none on CUDA")
     calibration = torch.tensor([target.tokenizer.encode(CALIBRATION_TEXT)], device=target.device)
     quantize_linears(target.model, quant, calibration, quantized_cache_path(target.model, quant, target.name))
     target.dtype = torch.float32  # what the unquantized rest computes in now
@@ -132,7 +163,7 @@ def heads_drafter_factory(spec: EngineSpec, target: LoadedModel, path: Path) -> 
     """Draft heads for the target (call before it is quantized: they copy float rows of its LM head), int8 on the CPU
     with --draft-quant int8 (the same row-wise w8a8 layers as the target's)."""
     heads = load_heads(path, target.model, spec.target).to(target.device)
-    if spec.draft_quant == "int8" and target.device.type == "cpu":
+    if spec.draft_quant == "int8":
         replace_linears(heads, w8a8_layer())
     min_prob = spec.draft_min_prob if spec.draft_min_prob is not None else HEADS_MIN_PROB
     log(f"draft heads: {heads.cfg.kind}, {len(heads.vocab_ids)}-token vocabulary, {spec.draft_quant}, from {path}")
@@ -159,7 +190,8 @@ def build_engines(
     spec: EngineSpec, drafts: list[str]
 ) -> tuple[dict[str, SpeculativeEngine], LoadedModel, dict[str, int]]:
     """One target and an engine for each --draft value in `drafts`, all sharing that target (spec.draft is not
-    read); and the resident memory each drafter added to the process while it was made (bench compares them)."""
+    read); and the memory each drafter added while it was made (memory_bytes: on the target's device), which bench
+    compares."""
     dtype = DTYPES.get(spec.dtype)
     if dtype is None:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {spec.dtype!r}")
@@ -172,10 +204,10 @@ def build_engines(
 
     def make(name: str, build: Callable[[], Callable[[], Drafter]]) -> None:
         release_free_memory()
-        before = resident_bytes()
+        before = memory_bytes(target.device)
         factories[name] = build()
         release_free_memory()
-        added[name] = resident_bytes() - before
+        added[name] = memory_bytes(target.device) - before
 
     for name, path in heads.items():  # before the target is quantized: the heads copy float rows of its LM head
 

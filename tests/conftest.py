@@ -18,7 +18,8 @@ from specdec.build import TINY_ENGINE, EngineSpec, build_engine
 from specdec.engine import StepEvent
 from specdec.heads_data import load_shards, make_dataset
 from specdec.heads_file import save_heads
-from specdec.heads_train import TrainConfig, fit_heads
+from specdec.heads_model import DraftHeads
+from specdec.heads_train import TrainConfig, fit_heads, heads_config
 from specdec.models import LoadedModel, load_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -26,6 +27,24 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).parent))  # tests/speech.py and friends
 
 ROOT = Path(__file__).resolve().parents[1]
+# Where the tiny engine is built: SPECVOICE_TEST_DEVICE=cuda runs the fast suite on a GPU (scripts/gpu-check.sh).
+TEST_DEVICE = os.environ.get("SPECVOICE_TEST_DEVICE", "cpu")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # A GPU run that silently fell back to the CPU would report CPU results as the GPU's.
+    if torch.device(TEST_DEVICE).type == "cuda" and not torch.cuda.is_available():
+        raise pytest.UsageError(f"SPECVOICE_TEST_DEVICE={TEST_DEVICE}, but torch sees no CUDA device")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`gpu` tests need CUDA: skipped where torch sees none."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch sees none)")
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")
@@ -41,11 +60,13 @@ def real_models() -> None:
 
 class TinyEngine:
     """The tiny random target/draft pair (float32, whole draft, no int8): instant to load, gibberish answers.
-    Every test on the tiny engine starts from this one spec; the models load once per test run, on first use."""
+    Every test on the tiny engine starts from this one spec, on TEST_DEVICE; the models load once per test run, on
+    first use."""
 
     @property
     def spec(self) -> EngineSpec:
-        return dataclasses.replace(TINY_ENGINE)  # a copy: a test may change its own, never the next test's
+        # a copy: a test may change its own, never the next test's
+        return dataclasses.replace(TINY_ENGINE, device=TEST_DEVICE)
 
     def spec_with(self, **changes: object) -> EngineSpec:
         """The spec with some fields changed, e.g. the draft's levers: spec_with(draft_quant="int8")."""
@@ -70,15 +91,17 @@ class TinyEngine:
             s.draft_quant,
             "--draft-vocab",
             str(s.draft_vocab),
+            "--device",
+            s.device,
         ]
 
     @functools.cached_property
     def target(self) -> LoadedModel:
-        return load_model(self.spec.target, getattr(torch, self.spec.dtype))
+        return load_model(self.spec.target, getattr(torch, self.spec.dtype), self.spec.device)
 
     @functools.cached_property
     def draft(self) -> LoadedModel:
-        return load_model(self.spec.draft, getattr(torch, self.spec.dtype))
+        return load_model(self.spec.draft, getattr(torch, self.spec.dtype), self.spec.device)
 
     @property
     def models(self) -> tuple[LoadedModel, LoadedModel]:
@@ -153,6 +176,14 @@ def tiny_heads(request, tiny_engine, tiny_data):
     path = tiny_data / f"{cfg.kind}.safetensors"
     save_heads(heads, path)
     return path, val
+
+
+def untrained_heads(target: LoadedModel, path: Path, kind: str = "medusa") -> Path:
+    """Untrained heads shaped for `target`, saved as trained ones are: for the plumbing and for costs (seconds do not
+    depend on the weights), never for acceptance."""
+    cfg = heads_config(kind, target.model.config, target.name)
+    save_heads(DraftHeads(cfg, torch.arange(cfg.vocab_size)), path)
+    return path
 
 
 def heads_engine(tiny_engine, tiny_heads, k: int = 3):

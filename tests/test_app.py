@@ -97,6 +97,59 @@ def test_origin_check(origin, host, bind, ok):
     assert origin_allowed(origin, host, bind, 7860) is ok
 
 
+PROXY = "https://gpu.example.com:8443"  # a reverse proxy's HTTPS origin in front of the app on 127.0.0.1:7860
+
+
+@pytest.mark.parametrize(
+    "origin, host, bind, allowed, ok",
+    [
+        ("http://127.0.0.1:7860", "127.0.0.1:7860", "127.0.0.1", (), True),  # the default: the app's own origin
+        ("http://127.0.0.1:7860", "127.0.0.1:7860", "127.0.0.1", (PROXY,), True),  # still, beside an allowed one
+        ("http://evil.example:7860", "127.0.0.1:7860", "127.0.0.1", (PROXY,), False),  # another site
+        (PROXY, "gpu.example.com:8443", "127.0.0.1", (), False),  # a proxy's page, not allowed
+        (PROXY, "127.0.0.1:7860", "127.0.0.1", (PROXY,), True),  # allowed, through a proxy that rewrites Host
+        (PROXY, "gpu.example.com:8443", "127.0.0.1", (PROXY,), True),  # allowed, through one that keeps it
+        ("https://gpu.example.com", "127.0.0.1:7860", "127.0.0.1", ("https://GPU.example.com:443",), True),
+        ("http://gpu.example.com:8443", "127.0.0.1:7860", "127.0.0.1", (PROXY,), False),  # http: another origin
+        ("https://gpu.example.com:9443", "127.0.0.1:7860", "127.0.0.1", (PROXY,), False),  # another port
+        ("https://evil.gpu.example.com:8443", "127.0.0.1:7860", "127.0.0.1", (PROXY,), False),  # a subdomain
+        # docker run -p 8080:7860: the browser's port is not the app's
+        ("http://localhost:8080", "localhost:8080", "0.0.0.0", (), False),
+        ("http://localhost:8080", "localhost:8080", "0.0.0.0", ("http://localhost:8080",), True),
+        ("http://10.0.0.5:8080", "10.0.0.5:8080", "0.0.0.0", ("http://localhost:8080",), False),
+    ],
+)
+def test_allowed_origins(origin, host, bind, allowed, ok):
+    assert origin_allowed(origin, host, bind, 7860, allowed) is ok
+
+
+def test_allowed_origin_option_takes_exact_origins_only(capsys):
+    parser = argparse.ArgumentParser()
+    server.add_arguments(parser)
+    assert server.server_setup(parser.parse_args([]))[1].allowed_origins == ()  # no other origin by default
+    args = parser.parse_args(["--allowed-origin", PROXY, "--allowed-origin", "http://localhost:8080"])
+    assert server.server_setup(args)[1].allowed_origins == (PROXY, "http://localhost:8080")
+    for bad in ("*", "https://*.example.com", "null", "gpu.example.com", "ftp://gpu.example.com", f"{PROXY}/app"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--allowed-origin", bad])
+        assert "is not an origin" in capsys.readouterr().err
+
+
+def test_a_proxied_origin_opens_the_socket_only_when_allowed():
+    """The handshake itself, as a browser behind `docker run -p 8080:7860` makes it (no models needed)."""
+    gate = threading.Event()
+    gate.set()
+    proxied = "http://127.0.0.1:8080"
+    with running_app(build=gated_build(gate, "not needed here"), allowed_origins=(proxied,)) as app:
+        for origin in (app.url, proxied):
+            with connect(app.ws_url, origin=origin):
+                pass
+        for origin in ("http://127.0.0.1:8081", "http://evil.example:8080"):
+            with pytest.raises(InvalidStatus) as err, connect(app.ws_url, origin=origin):
+                pass
+            assert err.value.response.status_code == 403
+
+
 def test_answer_slots_refuse_rather_than_queue():
     slots = AnswerSlots(1)
     assert slots.try_acquire() and not slots.try_acquire()

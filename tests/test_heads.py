@@ -268,8 +268,16 @@ def test_bench_runs_drafters_side_by_side(tiny_engine, tiny_heads, tmp_path):
     assert data["summary"]["drafters"]["ngram"]["resident_bytes_added"] == 0
 
 
-def test_calibrate_says_where_heads_are_measured(tiny_engine, tiny_heads, tmp_path, capsys):
+def test_calibrate_times_the_heads(tiny_engine, tiny_heads, tmp_path):
+    """The default drafter calibrates too: its proposals timed as a step meets them, after the target's features."""
     path, _ = tiny_heads
-    argv = ["calibrate", *tiny_engine.cli_args, "--draft", "heads", "--heads", str(path)]
-    assert cli.main([*argv, "--json", str(tmp_path / "c.json")]) == 2
-    assert "for --draft heads see `specvoice bench`" in capsys.readouterr().err
+    out = tmp_path / "c.json"
+    argv = ["calibrate", *tiny_engine.cli_args, "--draft", "heads", "--heads", str(path), "--k-values", "2,6"]
+    assert cli.main([*argv, "--repeats", "1", "--max-new-tokens", "8", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["drafter_kind"] == "heads" and data["draft_cost_ratio"] > 0
+    cfg = read_heads(path)[0].cfg
+    most = 6 if cfg.kind == "eagle" else cfg.n_medusa  # medusa drafts one token per head
+    assert [row["drafted"] for row in data["per_k"]] == [2, most]
+    for row in data["per_k"]:
+        assert row["draft_s"] > 0 and row["predicted_speedup"] > 0 and row["measured_speedup"] > 0

@@ -1,16 +1,29 @@
-"""OpenAICompatibleLLM against a local fake of vLLM's wire format (SSE chat chunks and Prometheus counters)."""
+"""OpenAICompatibleLLM against a local fake of vLLM's wire format (SSE chat chunks and Prometheus counters), and
+against a real server where one can run here (llama-cpp-python's, the llama extra); the `vllm serve` line for
+specvoice's engine options."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import os
+import shlex
 import socket
+import subprocess
+import sys
 import threading
 import time
+import urllib.request
+from collections.abc import Iterator
 
 import pytest
 from fake_vllm import DEFAULT_REPLY, FakeVLLM, tokenize
 
+from pipeline import remote_llm
 from pipeline.llm import ReplyStats
-from pipeline.remote_llm import OpenAICompatibleLLM, parse_prometheus, spec_counters, sse_data
+from pipeline.remote_llm import OpenAICompatibleLLM, parse_prometheus, spec_counters, sse_data, vllm_serve_command
+from specdec.build import EngineSpec
+from specdec.llamacpp import preset_gguf
 from specdec.metrics import SpecStats
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
@@ -189,3 +202,139 @@ def test_prometheus_parsing_handles_labels_suffixes_and_other_models() -> None:
 def test_sse_parser_joins_multiline_data_and_skips_comments() -> None:
     raw = [b": keep-alive\n", b"event: message\n", b'data: {"a":\n', b"data: 1}\n", b"\n", b"data:[DONE]\r\n", b"\r\n"]
     assert list(sse_data(raw)) == ['{"a":\n1}', "[DONE]"]
+
+
+# ---------------------------------------------------------------------------------------------- a real server
+
+
+@pytest.fixture(scope="module")
+def llama_server(real_models, tmp_path_factory) -> Iterator[str]:
+    """llama-cpp-python's OpenAI-compatible server on the target preset's GGUF, on a free loopback port."""
+    check = subprocess.run(
+        [sys.executable, "-c", "import llama_cpp.server.app"], capture_output=True, text=True, timeout=120
+    )
+    if check.returncode:
+        last = (check.stderr.strip().splitlines() or ["?"])[-1]
+        pytest.skip(f"llama_cpp.server cannot be imported ({last}): it needs llama-cpp-python's server extra")
+    gguf = preset_gguf(EngineSpec().target)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path_factory.mktemp("llama-server") / "server.log"
+    with log.open("w") as out:  # a file, not a pipe: a full pipe would stall the server
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "llama_cpp.server",
+                "--model",
+                str(gguf),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--n_ctx",
+                "1024",
+                "--n_threads",
+                "2",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "HOST": "127.0.0.1", "PORT": str(port)},  # its settings read these too
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:  # it listens once the model is loaded
+            if proc.poll() is not None:
+                pytest.fail(f"llama_cpp.server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(f"{url}/v1/models", timeout=2):
+                    break
+            except OSError:
+                assert time.monotonic() < deadline, f"llama_cpp.server did not answer:\n{log.read_text()[-3000:]}"
+                time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.models
+@pytest.mark.skipif(
+    importlib.util.find_spec("llama_cpp") is None,
+    reason="llama-cpp-python is not installed (the llama extra, built by scripts/setup.sh --llama; not in CI)",
+)
+def test_a_streamed_reply_from_llama_cpp_server_on_the_target_gguf(llama_server: str) -> None:
+    llm = OpenAICompatibleLLM(llama_server, max_tokens=16, temperature=0.0)  # the model: the one it lists
+    stats = ReplyStats()
+    question = [{"role": "user", "content": "Name the capital of France and one landmark there, in one sentence."}]
+    deltas = list(llm.stream_reply(question, True, stats))
+    assert "Paris" in "".join(d.text for d in deltas)
+    assert len([d for d in deltas if d.text]) > 1  # streamed, not one block
+    assert deltas[-1].finish_reason in ("stop", "length") and 1 <= stats.tokens <= 16
+    # It has no Prometheus endpoint: the reply still streams, and the panels say why acceptance is unknown.
+    assert any("metrics unavailable" in n for n in stats.notes) and stats.spec.proposed == 0
+
+
+# ---------------------------------------------------------------------------------------------- vllm serve
+
+
+def served_config(command: list[str]) -> dict:
+    return json.loads(command[command.index("--speculative-config") + 1])
+
+
+def test_vllm_command_for_a_draft_model_with_a_batch_size_limit() -> None:
+    spec = EngineSpec(target="qwen-1.5b", draft="qwen-0.5b", k="4", disable_by_batch_size=8)
+    command = vllm_serve_command(spec, port=8001, max_num_seqs=64)
+    assert command[:3] == ["vllm", "serve", "Qwen/Qwen2.5-Coder-1.5B-Instruct"]
+    assert command[command.index("--port") + 1] == "8001" and command[command.index("--dtype") + 1] == spec.dtype
+    assert command[command.index("--max-num-seqs") + 1] == "64"
+    assert not [a for a in command if "disable" in a]  # vLLM's old flag and key are gone
+    assert served_config(command) == {
+        "method": "draft_model",
+        "model": "Qwen/Qwen2.5-Coder-0.5B-Instruct",
+        "num_speculative_tokens": 4,
+        # K up to 8 sequences, none from 9 on: what --speculative-disable-by-batch-size 8 means
+        "num_speculative_tokens_per_batch_size": [[1, 8, 4], [9, 64, 0]],
+    }
+
+
+def test_vllm_command_for_adaptive_k_ngram_and_no_draft() -> None:
+    adaptive = vllm_serve_command(EngineSpec(draft="qwen-0.5b", k="adaptive", k_max=6))
+    assert served_config(adaptive)["num_speculative_tokens"] == 6  # vLLM's K is fixed: the most ours drafts
+    assert "--max-num-seqs" not in adaptive and "num_speculative_tokens_per_batch_size" not in served_config(adaptive)
+    ngram = served_config(vllm_serve_command(EngineSpec(draft="ngram", k="3")))
+    assert ngram == {"method": "ngram", "prompt_lookup_max": 4, "prompt_lookup_min": 1, "num_speculative_tokens": 3}
+    plain = vllm_serve_command(EngineSpec(draft="none", disable_by_batch_size=2))
+    assert "--speculative-config" not in plain and "--max-num-seqs" not in plain
+    never = vllm_serve_command(EngineSpec(draft="qwen-0.5b", disable_by_batch_size=300), max_num_seqs=256)
+    assert "num_speculative_tokens_per_batch_size" not in served_config(never)  # above vLLM's batch: never bites
+    local = vllm_serve_command(EngineSpec(target="/models/target", draft="org/draft"))
+    assert local[2] == "/models/target" and served_config(local)["model"] == "org/draft"
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (EngineSpec(draft="heads"), "vLLM cannot load specvoice's draft heads"),
+        (EngineSpec(target="tiny-random-target", draft="none"), "tiny-random-target: a preset without a hub model"),
+    ],
+)
+def test_vllm_command_refuses_what_vllm_cannot_load(spec: EngineSpec, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        vllm_serve_command(spec)
+
+
+def test_vllm_command_from_the_engine_options(capsys) -> None:
+    remote_llm.main(["--draft", "qwen-0.5b", "--k", "4", "--speculative-disable-by-batch-size", "8"])
+    printed = shlex.split(capsys.readouterr().out)
+    spec = EngineSpec(draft="qwen-0.5b", k="4", disable_by_batch_size=8)
+    assert printed == vllm_serve_command(spec)
+    with pytest.raises(SystemExit):
+        remote_llm.main([])  # the default drafter, heads
+    assert "--draft heads" in capsys.readouterr().err

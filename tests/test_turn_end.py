@@ -15,8 +15,8 @@ from pipeline.llm import EngineLLM, ReplyStats
 from pipeline.preemptive import ChildCancel, Hold
 from pipeline.timeline import STAGES, Timeline
 from pipeline.turn_end import TurnEnd, looks_complete
-from specdec.engine import EngineSession
 from specdec.build import build_engine
+from specdec.engine import EngineSession
 
 
 @pytest.mark.parametrize(
