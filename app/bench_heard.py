@@ -56,8 +56,9 @@ NEEDS_PLAYWRIGHT = "needs the test extra: scripts/setup.sh --test"
 def tiny_config() -> AgentConfig:
     """Random tiny target + draft (instant to load, gibberish answers); real ASR and TTS.
 
-    One turn of history: the tiny target's 512-token context holds no more next to the system prompt."""
-    return AgentConfig(engine=replace(TINY_ENGINE), history_turns=1)  # a copy: callers may change it
+    One turn of history: the tiny target's 512-token context holds no more next to the system prompt. Batched, as
+    every voice command runs the engine (pipeline.options.agent_config_from_args)."""
+    return AgentConfig(engine=replace(TINY_ENGINE, batched=True), history_turns=1)  # a copy: callers may change it
 
 
 def free_port() -> int:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import logging
 import threading
 import time
@@ -438,10 +437,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def server_setup(args: argparse.Namespace) -> tuple[AgentConfig, ServerOptions]:
-    """`specvoice app`'s configuration from its options: the in-process engine batches the conversations."""
+    """`specvoice app`'s configuration from its options."""
     config = agent_config_from_args(args)
-    if not args.llm_url:
-        config.engine = dataclasses.replace(config.engine, batched=True)
     limit = args.max_concurrent_answers or ServerOptions.max_concurrent_answers
     options = ServerOptions(args.host, args.port, limit, args.max_turn_s)
     options.background_conversations = args.background_conversations

@@ -4,6 +4,7 @@ runs the voice agent) and the voice agent's (say, bench-voice, app)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from specdec.build import DTYPES, EngineSpec
 from specdec.quant import TARGET_QUANTS
@@ -146,6 +147,12 @@ def add_agent_arguments(parser: argparse.ArgumentParser) -> None:
         help="--end-of-turn words: the silence after words that look finished",
     )
     parser.add_argument(
+        "--hangover-unsure-ms",
+        type=float,
+        default=t.unsure_ms,
+        help="--end-of-turn words: the silence after words that may or may not go on (… in?, … have?)",
+    )
+    parser.add_argument(
         "--hangover-incomplete-ms",
         type=float,
         default=t.incomplete_ms,
@@ -183,13 +190,22 @@ def add_agent_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def agent_config_from_args(args: argparse.Namespace) -> AgentConfig:
+    """The voice agent's configuration. Its in-process engine batches the conversations' steps (the app's many
+    users, load-aware K), and every voice command (app, say, bench-voice, bench-heard) runs and measures that path."""
+    engine = spec_from_args(args)
     return AgentConfig(
-        engine=spec_from_args(args),
+        engine=engine if args.llm_url else dataclasses.replace(engine, batched=True),
         asr_model=args.asr,
         asr_beam_size=args.asr_beam,
         asr_window_s=args.asr_window_s or None,
         tts=args.tts,
-        turn_end=TurnEnd(args.end_of_turn, args.hangover_ms, args.hangover_complete_ms, args.hangover_incomplete_ms),
+        turn_end=TurnEnd(
+            args.end_of_turn,
+            args.hangover_ms,
+            args.hangover_complete_ms,
+            args.hangover_unsure_ms,
+            args.hangover_incomplete_ms,
+        ),
         preemptive=args.preemptive,
         prefill_while_speaking=args.prefill_while_speaking,
         first_chunk_words=args.first_chunk_words,

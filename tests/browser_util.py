@@ -34,11 +34,11 @@ def shared_agent() -> VoiceAgent:
 
 
 def app_tiny_config() -> AgentConfig:
-    """tiny_config as `specvoice app` runs it (app.server.server_setup): the conversations batched. The tiny draft is
-    as large as the tiny target, so a measured load-aware K (or the governor) rightly drafts nothing; these tests
-    exercise the plumbing of a drafting answer, so every step drafts its K."""
+    """tiny_config (batched, as `specvoice app` runs it). The tiny draft is as large as the tiny target, so a measured
+    load-aware K (or the governor) rightly drafts nothing; these tests exercise the plumbing of a drafting answer, so
+    every step drafts its K."""
     config = tiny_config()
-    config.engine = dataclasses.replace(config.engine, batched=True, load_aware=False, auto_off=False)
+    config.engine = dataclasses.replace(config.engine, load_aware=False, auto_off=False)
     return config
 
 

@@ -14,36 +14,40 @@ from pipeline.audio import SAMPLE_RATE
 from pipeline.llm import EngineLLM, ReplyStats
 from pipeline.preemptive import ChildCancel, Hold
 from pipeline.timeline import STAGES, Timeline
-from pipeline.turn_end import TurnEnd, looks_complete
+from pipeline.turn_end import TurnEnd, how_finished
 from specdec.build import build_engine
 from specdec.engine import EngineSession
 
 
 @pytest.mark.parametrize(
-    "text, complete",
+    "text, finish",
     [
-        ("What is the capital of France?", True),
-        ("Tell me a joke.", True),
-        ("Stop!", True),
-        ("What is the capital of", False),
-        ("What is the capital of?", False),  # Whisper closes cut-off phrases too
-        ("I want bread and", False),
-        ("So the", False),
-        ("Well, um...", False),
-        ("Let me think,", False),
-        ("how are you", False),  # no closing punctuation: not known to be finished
-        ("", False),
-        ("?", False),
+        ("What is the capital of France?", "finished"),
+        ("Tell me a joke.", "finished"),
+        ("Stop!", "finished"),
+        ("What is the capital of", "unfinished"),
+        ("What is the capital of?", "unfinished"),  # Whisper closes cut-off phrases too
+        ("I want bread and", "unfinished"),
+        ("So the", "unfinished"),
+        ("Well, um...", "unfinished"),
+        ("Let me think,", "unfinished"),
+        ("how are you", "unfinished"),  # no closing punctuation: not known to be finished
+        ("", "unfinished"),
+        ("?", "unfinished"),
+        ("What time zone is London in?", "unsure"),  # a finished question that ends like an unfinished one
+        ("Why do birds fly south in?", "unsure"),
+        ("How many legs does a spider have?", "unsure"),
     ],
 )
-def test_looks_complete(text, complete):
-    assert looks_complete(text) is complete
+def test_how_finished(text, finish):
+    assert how_finished(text) == finish
 
 
 def test_turn_end_waits_by_words_or_by_silence():
-    words = TurnEnd("words", silence_ms=300, complete_ms=200, incomplete_ms=1000)
+    words = TurnEnd("words", silence_ms=300, complete_ms=200, unsure_ms=700, incomplete_ms=1000)
     assert words.hangover_ms("Is it raining?") == 200
-    assert words.hangover_ms("Is it raining in") == 1000
+    assert words.hangover_ms("Is it raining in?") == 700
+    assert words.hangover_ms("Is it raining and") == 1000
     assert words.hangover_ms(None) == 1000  # not transcribed yet: wait for the words
     assert words.longest_ms == 1000
     silence = TurnEnd("silence", silence_ms=300)
