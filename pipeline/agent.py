@@ -144,7 +144,10 @@ class Conversation:
 
 
 def make_transcriber(config: AgentConfig) -> Transcriber:
-    return Transcriber(config.asr_model, beam_size=config.asr_beam_size, window_s=config.asr_window_s)
+    """The ASR on the engine's device (float16 on cuda, int8 on CPU)."""
+    return Transcriber(
+        config.asr_model, beam_size=config.asr_beam_size, window_s=config.asr_window_s, device=config.engine.device
+    )
 
 
 class VoiceAgent:

@@ -54,7 +54,6 @@ class TurnListener:
         # the time, so the call started when the speaker pauses can begin at once.
         self.asr = StreamingTranscriber(transcriber, interval_s=asr_interval_s)
         self.start_early, self.prefill, self.notify = start_early, prefill, notify
-        self.started = False
         self._pause_words: str | None = None  # what was said up to the current pause, once transcribed
         self._prefilled = ""
         self._early: tuple[Hold, Timeline] | None = None
@@ -65,9 +64,7 @@ class TurnListener:
         self.asr.feed(chunk16k)
         was_paused = self.vad.paused
         for ev in self.vad.feed(chunk16k, t_start):
-            if ev.kind == "speech_start":
-                self.started = True
-            elif ev.kind == "end_of_turn":
+            if ev.kind == "end_of_turn":
                 return ev
         if not self.vad.paused:
             if was_paused:  # the speaker went on: what was started on the words before the pause is not the turn
@@ -88,7 +85,8 @@ class TurnListener:
     def _prefill_words(self) -> None:
         if self.prefill is None:
             return
-        words = self.asr.partial.rsplit(" ", 1)[0] if " " in self.asr.partial else ""
+        partial = self.asr.partial
+        words = partial.rsplit(" ", 1)[0] if " " in partial else ""
         if words and words != self._prefilled:
             self._prefilled = words
             self.prefill(words)

@@ -27,6 +27,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import signal
 import statistics
 import subprocess
@@ -158,15 +159,20 @@ def main(argv: list[str] | None = None) -> int:
 
     def section(name: str, run: Callable[[], Any]) -> None:
         print(f"gpu-check: {name} …", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
         try:
             report[name] = run()
         except Exception as e:  # report it and go on: one missing package must not hide the other results
             traceback.print_exc()
             report["errors"][name] = f"{type(e).__name__}: {e}"
+        report.setdefault("section_seconds", {})[name] = time.perf_counter() - t0  # where the budget went
         save()
 
-    section("environment", lambda: environment(args.device))
+    # Filled as it is read, so that what was found survives a missing torch or device.
+    section("environment", lambda: environment(args.device, report.setdefault("environment", {})))
     if "environment" in report["errors"]:  # no torch or no such device: nothing else can run
+        report["ok"] = False
+        save()
         return 1
     section("host_reads", lambda: host_reads(args.device))
     # Filled model by model: a model that fails (out of memory, say) leaves the ones before it for the prediction.
@@ -209,18 +215,16 @@ def installed(name: str) -> str | None:
         return None
 
 
-def environment(device: str) -> dict[str, Any]:
+def environment(device: str, env: dict[str, Any]) -> dict[str, Any]:
+    """Into `env`: Python, the project's packages as installed here (None: missing), torch and the device."""
     packages = {name: installed(name) for name in declared_packages()}
-    env: dict[str, Any] = {
-        "python": platform.python_version(),
-        "executable": sys.executable,
-        "packages": packages,
-        "missing": sorted(name for name, version in packages.items() if version is None),
-    }
-    try:
-        import torch
-    except ImportError as e:  # nothing else can run; say what else is missing too
-        raise RuntimeError(f"{e}; missing here: {', '.join(env['missing'])}") from e
+    env.update(
+        python=platform.python_version(),
+        executable=sys.executable,
+        packages=packages,
+        missing=sorted(name for name, version in packages.items() if version is None),
+    )
+    import torch
 
     from specdec.cost_grid import cpu_name
 
@@ -536,8 +540,8 @@ def casestudy_calibration(device_name: str, small: bool, models: dict[str, Any])
     )
     return {
         "hardware": dataclasses.asdict(hw),
-        "roofs_measured": {"copy_bandwidth_tbs": peak.bandwidth_tbs, "matmul_tflops": peak.tflops, "dtype": str(dtype)},
-        "fit": {"efficiency": hw.efficiency, "overhead_ms": hw.overhead_ms, "points": len(measured)},
+        "how": f"bandwidth_tbs and tflops measured here in {str(dtype).removeprefix('torch.')} (a copy, a square "
+        f"matmul); efficiency and overhead_ms fitted to the {len(measured)} models' one-token forwards",
         "models": per_model,
         "roofline_speedup_7b_with_0.5b_k4": evaluate(scenario).speedup,
     }
@@ -573,7 +577,7 @@ def run_tests(device: str, small: bool, budget_s: float) -> dict[str, Any]:
         counts = junit_counts(xml) if xml.exists() else {}
     print(output[-4000:], file=sys.stderr)
     return {
-        "command": " ".join(cmd),
+        "command": shlex.join(cmd),
         "device": device,
         "returncode": proc.returncode,
         "seconds": time.perf_counter() - t0,

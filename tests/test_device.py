@@ -172,3 +172,13 @@ def test_a_draft_with_a_narrower_head_samples_over_the_targets_vocabulary(tiny_e
     ids = target.tokenizer.chat_ids([{"role": "user", "content": "hello there"}])
     tokens, _ = collect(engine.stream(ids, GenerationConfig(30, SamplingParams(temperature=1.0), seed=1)))
     assert tokens  # verified against the draft's q without a shape error
+
+
+def test_the_voice_agent_puts_its_asr_on_the_engines_device(monkeypatch):
+    from pipeline.agent import AgentConfig, make_transcriber
+    from specdec.build import EngineSpec
+
+    got = {}
+    monkeypatch.setattr(asr.WhisperModel, "__init__", lambda self, path, **kwargs: got.update(kwargs))
+    make_transcriber(AgentConfig(engine=EngineSpec(device="cuda:1")))
+    assert (got["device"], got["device_index"], got["compute_type"]) == ("cuda", 1, "float16")

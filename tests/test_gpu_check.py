@@ -70,15 +70,15 @@ def test_the_prediction_follows_from_costs_and_acceptance(check):
         assert pair["by_batch"][0] == {"batch": 1, "k": best["k"], "speedup": best["speedup"]}
         assert pair["tokens_per_s_on"] == pytest.approx(pair["tokens_per_s_off"] * pair["speedup"])
         off, on = pair["stages_ms_off"], pair["stages_ms_on"]
-        assert pair["ttfa_ms_off"] == pytest.approx(sum(off.values())) > 0
-        assert pair["ttfa_ms_on"] == pytest.approx(sum(on.values())) > 0
+        assert pair["ttfa_ms_off"] == pytest.approx(sum(off.values())) and min(off.values()) > 0
+        assert pair["ttfa_ms_on"] == pytest.approx(sum(on.values())) and min(on.values()) > 0
         assert off["first_chunk_tokens"] / on["first_chunk_tokens"] == pytest.approx(pair["speedup"])
 
 
 def test_the_case_study_is_calibrated_to_the_curve(check):
     case = check["casestudy"]
-    assert case["hardware"]["efficiency"] > 0 and case["hardware"]["overhead_ms"] >= 0
-    assert case["roofs_measured"]["copy_bandwidth_tbs"] > 0 and case["roofs_measured"]["matmul_tflops"] > 0
+    hw = case["hardware"]
+    assert hw["bandwidth_tbs"] > 0 and hw["tflops"] > 0 and hw["efficiency"] > 0 and hw["overhead_ms"] >= 0
     assert set(case["models"]) == MODELS
     for row in case["models"].values():
         assert 0 < row["measured_over_modelled"]["min"] <= row["measured_over_modelled"]["max"]
