@@ -29,6 +29,9 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests/speech.py and friends
 ROOT = Path(__file__).resolve().parents[1]
 # Where the tiny engine is built: SPECVOICE_TEST_DEVICE=cuda runs the fast suite on a GPU (scripts/gpu-check.sh).
 TEST_DEVICE = os.environ.get("SPECVOICE_TEST_DEVICE", "cpu")
+ON_CPU = torch.device(TEST_DEVICE).type == "cpu"
+# For tests of the CPU-only weight formats (specdec/quant.py), which EngineSpec refuses on another device.
+cpu_only = pytest.mark.skipif(not ON_CPU, reason="a CPU weight format (specdec/quant.py)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -107,6 +110,12 @@ class TinyEngine:
     def models(self) -> tuple[LoadedModel, LoadedModel]:
         return self.target, self.draft
 
+    @functools.cached_property
+    def cpu_target(self) -> LoadedModel:
+        """The target where the CPU-only tools run it (train-heads' data and training, bench-layerskip): the same
+        model, on the CPU whatever TEST_DEVICE is."""
+        return self.target if ON_CPU else load_model(self.spec.target, getattr(torch, self.spec.dtype), "cpu")
+
 
 @pytest.fixture
 def step_event():
@@ -162,14 +171,15 @@ def tiny_prompts(target, n: int, seed: int = 0) -> list[list[int]]:
 @pytest.fixture(scope="session")
 def tiny_data(tiny_engine, tmp_path_factory):
     work = tmp_path_factory.mktemp("heads")
-    make_dataset(tiny_engine.target, tiny_prompts(tiny_engine.target, 48), work, max_new_tokens=24, batch_size=16)
+    target = tiny_engine.cpu_target  # train-heads runs on the CPU
+    make_dataset(target, tiny_prompts(target, 48), work, max_new_tokens=24, batch_size=16)
     return work
 
 
 @pytest.fixture(scope="session", params=["eagle", "medusa"])
 def tiny_heads(request, tiny_engine, tiny_data):
     """Heads of each kind trained for a few seconds on the tiny target's own answers, saved like the shipped ones."""
-    target = tiny_engine.target
+    target = tiny_engine.cpu_target  # train-heads runs on the CPU
     cfg = TrainConfig(kind=request.param, vocab=96, epochs=6, lr=3e-3, batch_sequences=8)
     lm_weight = target.model.get_output_embeddings().weight
     heads, _, val = fit_heads(load_shards(tiny_data), cfg, target, lm_weight, tiny_data / f"{cfg.kind}.ckpt", print)

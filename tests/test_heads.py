@@ -29,13 +29,13 @@ def test_the_data_holds_each_position_s_feature(tiny_engine, tiny_data):
     s = seqs[0]
     assert s.features.shape == (len(s.tokens) - 1, target.model.config.hidden_size)
     with torch.inference_mode():
-        logits = target.model(torch.tensor([s.tokens])).logits[0, :-1]
-        from_features = target.model.get_output_embeddings()(s.features.float())
+        logits = target.model(torch.tensor([s.tokens], device=target.device)).logits[0, :-1]
+        from_features = target.model.get_output_embeddings()(s.features.to(target.device).float())
     answer = slice(s.answer_start - 1, None)
     # Stored in bf16: the logits agree to bf16's precision (a near tie may flip), and they are the greedy answer's.
     assert torch.allclose(from_features, logits, atol=0.05, rtol=0.02)
     chosen = from_features[answer].argmax(-1)
-    assert (chosen == torch.tensor(s.tokens[s.answer_start :])).float().mean() > 0.9
+    assert (chosen == torch.tensor(s.tokens[s.answer_start :], device=target.device)).float().mean() > 0.9
 
 
 def test_keep_hidden_leaves_the_logits_bit_for_bit(tiny_engine):
@@ -79,8 +79,8 @@ def test_a_session_keeps_features_across_answers(tiny_engine, tiny_heads):
 @pytest.mark.parametrize("tiny_heads", ["eagle"], indirect=True)  # medusa keeps no cache
 def test_eagle_drafts_the_same_with_or_without_its_cache(tiny_engine, tiny_heads):
     path, val = tiny_heads
-    heads, _ = read_heads(path)
     target = tiny_engine.target
+    heads = read_heads(path)[0].to(target.device)  # as the engine holds them (specdec/build.py)
     heads.attach(target.model.get_input_embeddings(), target.model.get_output_embeddings().weight)
     s = val[0]
     incremental = HeadsDrafter(heads)
@@ -162,7 +162,7 @@ def test_switching_drafters_in_a_session(tiny_engine, tiny_heads):
 
 def test_training_resumes_where_it_stopped(tiny_engine, tiny_data, tmp_path):
     """A run stopped after some steps and resumed from its checkpoint ends with the weights of an unbroken run."""
-    target = tiny_engine.target
+    target = tiny_engine.cpu_target  # train-heads runs on the CPU
     seqs = load_shards(tiny_data)
     cfg = TrainConfig(kind="eagle", vocab=96, epochs=2, lr=3e-3, batch_sequences=8, checkpoint_every_s=0.0)
     lm_weight = target.model.get_output_embeddings().weight
@@ -192,7 +192,8 @@ def test_training_resumes_where_it_stopped(tiny_engine, tiny_data, tmp_path):
 
 def test_replay_counts_acceptance_by_position(tiny_heads, tiny_engine):
     path, val = tiny_heads
-    heads = load_heads(path, tiny_engine.target.model, tiny_engine.target.name)
+    target = tiny_engine.cpu_target  # the replay is train-heads' report, on the CPU
+    heads = load_heads(path, target.model, target.name)
     replay = simulated_acceptance(heads, val, k=3)
     by_position = replay["acceptance_by_position"]
     assert len(by_position) == 3 and by_position[0] >= by_position[1] >= by_position[2]

@@ -13,23 +13,23 @@ from specdec.runner import BatchRunner
 
 
 def test_skipping_leaves_the_model_as_it_was(tiny_engine):
-    model = tiny_engine.target.model
+    model, device = tiny_engine.target.model, tiny_engine.target.device
     ids = [5, 6, 7, 8, 9]
-    before = model(torch.tensor([ids])).logits
+    before = model(torch.tensor([ids], device=device)).logits
     with skipping(model, {0}):
         assert len(model.get_decoder().layers) == 1
-        cache = BatchRunner(model, tiny_engine.target.device).new_cache()  # a cached forward on the shortened stack
+        cache = BatchRunner(model, device).new_cache()  # a cached forward on the shortened stack
         cache.extend(ids[:3])
         skipped = cache.extend(ids, n_logits=2)
         assert not torch.allclose(skipped, before[0, -2:])
     assert len(model.get_decoder().layers) == 2
     assert [layer.self_attn.layer_idx for layer in model.get_decoder().layers] == [0, 1]
-    assert torch.equal(model(torch.tensor([ids])).logits, before)
+    assert torch.equal(model(torch.tensor([ids], device=device)).logits, before)
 
 
 def test_agreement_is_whole_without_skips_and_lower_with_them(tiny_engine, tiny_data):
     seqs = load_shards(tiny_data)[:8]
-    model = tiny_engine.target.model
+    model = tiny_engine.cpu_target.model  # bench-layerskip runs on the CPU
     assert agreement(model, seqs, set()) > 0.95  # its own greedy answers (batched then, one at a time now)
     assert agreement(model, seqs, {1}) < 0.5
 

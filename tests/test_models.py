@@ -8,6 +8,7 @@ import weakref
 
 import pytest
 import torch
+from conftest import cpu_only
 
 from specdec.build import build_engine
 from specdec.models import build_tiny_random
@@ -46,6 +47,7 @@ def test_int8_quantization_frees_each_float_linear_without_the_garbage_collector
             gc.enable()
 
 
+@cpu_only
 def test_int8_draft_in_the_engine_holds_no_float_linear(tiny_engine):
     engine, _ = build_engine(tiny_engine.spec_with(draft_quant="int8"))
     draft = engine.drafter_factory().cache.runner.model

@@ -3,6 +3,7 @@
 
 import pytest
 import torch
+from conftest import cpu_only
 
 from specdec.build import build_engine
 from specdec.engine import GenerationConfig, collect
@@ -65,6 +66,7 @@ def test_unknown_format_is_refused(tiny_engine):
         quantize_linears(tiny_engine.target.model, "fp8")
 
 
+@cpu_only
 @pytest.mark.parametrize("quant", QUANTS)
 def test_speculation_is_lossless_against_the_quantized_target(tiny_engine, quant):
     engine, target = build_engine(tiny_engine.spec_with(target_quant=quant, k="4"))
@@ -77,6 +79,7 @@ def test_speculation_is_lossless_against_the_quantized_target(tiny_engine, quant
         assert spec == base, text
 
 
+@cpu_only
 @pytest.mark.parametrize("quant", QUANTS)
 def test_a_verified_token_gets_the_logits_it_gets_decoded_alone(tiny_engine, quant):
     """Bit for bit: with the quantized target and row attention, a forward over several new tokens gives each the
@@ -114,6 +117,7 @@ def test_smoothing_keeps_the_float_function_and_evens_out_channels():
     assert spread[-1] < spread[0]  # peaks: before, during calibration (unchanged), after
 
 
+@cpu_only
 @pytest.mark.parametrize("quant", ["w8a8-fbgemm", "w8a8-onednn"])
 def test_w8a8_read_from_its_cache_is_the_model_quantized_afresh(tiny_engine, tmp_path, quant):
     """The app's warm start reads the target's int8 weights from a file: the model must be the very same."""

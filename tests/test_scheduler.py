@@ -50,7 +50,7 @@ def test_runner_logits_match_transformers(tiny_engine):
 
     def reference(ids, n):  # transformers' own forward over the whole sequence
         with torch.inference_mode():
-            return target.model(input_ids=torch.tensor([ids])).logits[0, -n:]
+            return target.model(input_ids=torch.tensor([ids], device=target.device)).logits[0, -n:]
 
     feeds = [(a, 3), (b, 1), (c + [7, 8], 2)]
     got = runner.extend([Feed(cache, ids, n) for cache, (ids, n) in zip(caches, feeds)])
@@ -63,7 +63,7 @@ def test_runner_logits_match_transformers(tiny_engine):
         [
             Feed(caches[0], feeds[0][0]),
             Feed(caches[1], feeds[1][0]),
-            Feed(caches[2], c + [7], 4, torch.tensor([5, 6, 1])),
+            Feed(caches[2], c + [7], 4, torch.tensor([5, 6, 1], device=target.device)),
         ]
     )
     for out, (ids, n) in zip(got, feeds):
@@ -79,7 +79,8 @@ def test_runner_keeps_the_last_hidden_states_of_what_it_fed(tiny_engine):
     mine.keep_hidden = True
     runner.extend([Feed(other, b), Feed(mine, a)])
     with torch.inference_mode():
-        ref = target.model(input_ids=torch.tensor([a]), output_hidden_states=True).hidden_states[-1][0]
+        ids = torch.tensor([a], device=target.device)
+        ref = target.model(input_ids=ids, output_hidden_states=True).hidden_states[-1][0]
     assert mine.hidden_start == 0
     torch.testing.assert_close(mine.hidden, ref, rtol=1e-4, atol=1e-4)
     assert other.hidden is None
@@ -93,8 +94,15 @@ def test_runner_grows_its_cache_and_resets_after_a_failed_forward(tiny_engine):
     for n in range(300, len(long), 97):
         cache.extend(long[:n])
     assert len(cache.tokens) == len(long[:n]) and cache.capacity >= n
-    with pytest.raises(IndexError):
-        runner.extend([Feed(cache, long + [10**9])])  # an id past the vocabulary fails inside the forward
+
+    def out_of_memory(*args):
+        raise RuntimeError("out of memory")
+
+    # The second layer fails, after the first wrote its cache. (Not an id past the vocabulary: on a GPU that is a
+    # device-side assert, which leaves CUDA unusable for the rest of the run.)
+    runner.parts[1] = (out_of_memory, runner.parts[1][1])
+    with pytest.raises(RuntimeError, match="out of memory"):
+        runner.extend([Feed(cache, long + [10])])
     assert cache.tokens == []
 
 
