@@ -109,12 +109,20 @@ class Int8RowLinear(RowInt8Linear):
         return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
 
-@torch.compiler.disable  # inductor lowers this op only with the weight frozen into the graph: left eager
 def _onednn_int8_matmul(q: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     """x · wᵀ in float32 from uint8 rows (zero point 128, scale 1) and prepacked int8 weights with per-row scales."""
     return torch.ops.onednn.qlinear_pointwise(
         q, 1.0, 128, packed, scale, zero, None, 1.0, 0, torch.float32, "none", [], ""
     )
+
+
+def keep_int8_matmul_eager() -> None:
+    """Leave the oneDNN int8 matmul out of torch.compile's graphs (inductor lowers it only with the weight frozen into
+    the graph). Called where compiling starts, not at import: torch.compiler.disable imports torch._dynamo, 1.4 s of
+    every start otherwise."""
+    global _onednn_int8_matmul
+    if not hasattr(_onednn_int8_matmul, "__wrapped__"):
+        _onednn_int8_matmul = torch.compiler.disable(_onednn_int8_matmul)
 
 
 class Int8RowLinearFbgemm(RowInt8Linear):

@@ -19,6 +19,7 @@ import torch
 
 from .attention import causal_attention, rotate, row_attention
 from .kv import PENDING, SequenceCache
+from .quant import keep_int8_matmul_eager
 from .timing import median_seconds
 
 if TYPE_CHECKING:
@@ -71,6 +72,7 @@ class BatchRunner:
         self.dtype = decoder.norm.weight.dtype  # what the model's remainder computes in (float32 once quantized)
         self.parts = [layer_parts(layer, self.n_heads, self.kv_heads, self.head_dim) for layer in self.layers]
         if compile:  # dynamic: one graph for every number of rows; CUDA graphs per shape on a GPU
+            keep_int8_matmul_eager()
             mode = "reduce-overhead" if device.type == "cuda" else "default"
             self.parts = [
                 (torch.compile(project, dynamic=True, mode=mode), torch.compile(finish, dynamic=True, mode=mode))
