@@ -169,8 +169,8 @@ class Evaluation:
         return self.baseline_ttfa_ms - self.baseline_stages[DECODE_STAGE]
 
 
-def _stages(s: Scenario, prefill_s: float, tokens_per_s: float) -> dict[str, float]:
-    st = s.stages
+def stage_ms(st: VoiceStages, prefill_s: float, tokens_per_s: float) -> dict[str, float]:
+    """A voice turn's stages (ms, in STAGES order) for an LLM that prefills in prefill_s and decodes tokens_per_s."""
     values = (
         st.end_of_turn_ms,
         st.asr_ms,
@@ -201,8 +201,8 @@ def evaluate(s: Scenario) -> Evaluation:
         tokens_per_step=expected_tokens_per_step(s.alpha, s.k),
         c=c,
         v=v,
-        baseline_stages=_stages(s, prefill, base_rate),
-        speculative_stages=_stages(s, prefill + draft_prefill, spec_rate),
+        baseline_stages=stage_ms(s.stages, prefill, base_rate),
+        speculative_stages=stage_ms(s.stages, prefill + draft_prefill, spec_rate),
     )
 
 

@@ -140,24 +140,13 @@ def add_agent_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--hangover-ms", type=float, default=t.silence_ms, help="--end-of-turn silence: the silence that ends a turn"
     )
-    parser.add_argument(
-        "--hangover-complete-ms",
-        type=float,
-        default=t.complete_ms,
-        help="--end-of-turn words: the silence after words that look finished",
-    )
-    parser.add_argument(
-        "--hangover-unsure-ms",
-        type=float,
-        default=t.unsure_ms,
-        help="--end-of-turn words: the silence after words that may or may not go on (… in?, … have?)",
-    )
-    parser.add_argument(
-        "--hangover-incomplete-ms",
-        type=float,
-        default=t.incomplete_ms,
-        help="--end-of-turn words: the silence after words that trail off (… of, and …), or not yet transcribed",
-    )
+    for name, default, after in (
+        ("complete", t.complete_ms, "words that look finished"),
+        ("unsure", t.unsure_ms, "words that may or may not go on (… in?, … have?)"),
+        ("incomplete", t.incomplete_ms, "words that trail off (… of, and …), or not yet transcribed"),
+    ):
+        help_text = f"--end-of-turn words: the silence after {after}"
+        parser.add_argument(f"--hangover-{name}-ms", type=float, default=default, help=help_text)
     parser.add_argument(
         "--no-preemptive",
         dest="preemptive",

@@ -404,8 +404,7 @@ def forward_costs(row: dict[str, Any]) -> Any:
 
 def prediction(models: dict[str, Any]) -> dict[str, Any]:
     """Speedup and TTFA per target and drafter, from the measured costs and the CPU-measured acceptance."""
-    from casestudy.latency_model import VoiceStages
-    from pipeline.timeline import STAGES
+    from casestudy.latency_model import VoiceStages, stage_ms
 
     stages = VoiceStages()
     pairs = {}
@@ -430,17 +429,8 @@ def prediction(models: dict[str, Any]) -> dict[str, Any]:
         prefill_off = models[target]["prefill"]["seconds"]
         prefill_on = prefill_off + (models[drafter]["prefill"]["seconds"] if drafter == DRAFT_MODEL else 0.0)
 
-        def ttfa(prefill_s: float, tokens_per_s: float) -> dict[str, float]:
-            ms = (
-                stages.end_of_turn_ms,
-                stages.asr_ms,
-                prefill_s * 1e3,
-                stages.first_chunk_tokens * 1e3 / tokens_per_s,
-                stages.tts_first_chunk_ms,
-            )
-            return dict(zip(STAGES, ms))
-
-        off, on = ttfa(prefill_off, rate_off), ttfa(prefill_on, rate_off * best["speedup"])
+        off = stage_ms(stages, prefill_off, rate_off)
+        on = stage_ms(stages, prefill_on, rate_off * best["speedup"])
         pairs[f"{target} + {drafter}"] = {
             "best_k": best["k"],
             "speedup": best["speedup"],
