@@ -120,32 +120,31 @@ class TurnListener:
     def finish(self, end: VadEvent | None) -> HeardTurn:
         """The turn's final transcript and timeline; an early answer on the same words is confirmed, any other
         discarded. AudioError when there is nothing to answer."""
-        early, self._early = self._early, None
         if end is None:
-            if early is not None:
-                self._early = early
-                self._discard_early()
+            self._discard_early()
             raise AudioError("no speech detected")
         text = self.asr.finish(trailing_silence_s=end.decided_t - end.last_voiced_t).strip()
+        early = self._early
         kept = (
             early is not None
             and early[0].state == "held"  # not given up by its answerer (e.g. no room to answer it early)
             and early[0].words == text
             and early[1].marks["speech_end"] == end.last_voiced_t
         )
-        timeline = early[1] if kept and early is not None else Timeline()
+        if early is None or not kept:
+            self._discard_early()  # another answer than the turn's, if any
+            early = None
+        self._early = None
+        timeline = early[1] if early is not None else Timeline()
         timeline.mark("speech_end", end.last_voiced_t)
         timeline.mark("end_of_turn", end.decided_t)
         timeline.mark("asr_final", time.perf_counter())
         if self.turn_end.mode == "words":
             timeline.silence_rule_ms = self.turn_end.silence_ms
-        if early is not None and not kept:
-            self._early = early
-            self._discard_early()
         timeline.early_discarded = self._discarded
         if not text:
             raise AudioError("speech was detected but nothing intelligible was transcribed")
-        if early is None or not kept:
+        if early is None:
             return HeardTurn(text, timeline)
         self._tell("kept", text)
         early[0].confirm()  # what the answer held goes out now, after the word that it was kept
