@@ -1,9 +1,9 @@
 # specvoice on an NVIDIA GPU, with every default model baked in so nothing is fetched from a hub at run time.
 #   docker build -t specvoice .
 #   docker run --gpus all -p 7860:7860 specvoice
-# Not built in CI (no Docker there); tests/test_dockerfile.py lints it with hadolint. See docs/vllm.md.
+# Not built in CI (no Docker there); tests/project/test_dockerfile.py lints it with hadolint. See docs/vllm.md.
 #
-# Torch comes from the base image as a CUDA build of the version pyproject.toml pins (tests/test_dockerfile.py
+# Torch comes from the base image as a CUDA build of the version pyproject.toml pins (tests/project/test_dockerfile.py
 # checks that they agree), so the project goes in with --no-deps and its other dependencies are read from
 # pyproject.toml minus torch: pip never swaps the image's CUDA torch for a wheel from PyPI.
 # The tag is unverified here (no Docker, no registry access): it is one that public Dockerfiles use for torch

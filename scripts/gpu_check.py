@@ -2,7 +2,7 @@
 
 On --device (cuda by default), within --budget-s (8 minutes by default), with no network and no real weights:
 1. environment: Python, torch, the device, and which of the project's packages this machine lacks;
-2. host_reads: the device reads per speculative step on the tiny engine (counted by tests/test_host_reads.py);
+2. host_reads: the device reads per speculative step on the tiny engine (counted by tests/specdec/test_host_reads.py);
 3. models: the forward-cost grid (batch × tokens per sequence) of Qwen2.5-0.5B-, 1.5B- and 7B-shaped models with
    random weights, timed through the engine's BatchRunner as its own cost grid is (cost_grid.measure_forward_costs),
    a voice turn's prefill, and the drafters' proposals as a step meets them (specdec/calibrate.py): the 0.5B as a
@@ -41,15 +41,15 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the project and the tests' helpers, installed or not
+sys.path.insert(0, str(ROOT))  # the project and its tests.support, installed or not
 
 # The fast suite, as the README defines it.
 FAST_SUITE = "not models and not browser and not slow"
 # --small's test run: the GPU tests (skipped without one) and the host-read tests but the one that trains heads.
 SMALL_TESTS = [
-    "tests/test_gpu.py",
-    "tests/test_host_reads.py",
-    "--deselect=tests/test_host_reads.py::test_a_heads_step_reads_the_device_at_most_twice",
+    "tests/specdec/test_gpu.py",
+    "tests/specdec/test_host_reads.py",
+    "--deselect=tests/specdec/test_host_reads.py::test_a_heads_step_reads_the_device_at_most_twice",
 ]
 
 # Qwen2.5's published shapes (config.json of Qwen/Qwen2.5-{0.5B,1.5B,7B}-Instruct), built with random weights.
@@ -256,12 +256,11 @@ def environment(device: str, env: dict[str, Any]) -> dict[str, Any]:
 def host_reads(device: str) -> dict[str, Any]:
     """Device reads per speculative step (K = 4) on the tiny engine with this device's defaults, for the draft model
     and for (untrained) heads, one answer at a time, and one batched step of three answers."""
-    from conftest import tiny_prompts, untrained_heads
-    from test_host_reads import counting_host_reads, reads_per_step
-
     from specdec.build import TINY_ENGINE, build_engines
     from specdec.engine import GenerationConfig
     from specdec.sampling import SamplingParams
+    from tests.support.engine import tiny_prompts, untrained_heads
+    from tests.support.host_reads import counting_host_reads, reads_per_step
 
     with tempfile.TemporaryDirectory() as tmp:
         spec = dataclasses.replace(TINY_ENGINE, device=device, k="4")
@@ -545,7 +544,7 @@ def run_tests(device: str, small: bool, budget_s: float) -> dict[str, Any]:
     with SIGINT, on which pytest still writes its report."""
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--continue-on-collection-errors"]
     # not this check's own CI test (it runs the check in its CPU mode)
-    cmd += ["-m", FAST_SUITE, "--ignore=tests/test_gpu_check.py", *(SMALL_TESTS if small else [])]
+    cmd += ["-m", FAST_SUITE, "--ignore=tests/commands/test_gpu_check.py", *(SMALL_TESTS if small else [])]
     env = {**os.environ, "SPECVOICE_TEST_DEVICE": device}
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:

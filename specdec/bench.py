@@ -1,4 +1,4 @@
-"""What `specvoice bench` (app/bench.py) runs and reports: prompts, the engine and transformers' generate() on the
+"""What `specvoice bench` (commands/bench.py) runs and reports: prompts, the engine and transformers' generate() on the
 same prompt, where two outputs diverge and why, and the summary of a run."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Forward and drafting costs as `specvoice calibrate` (app/calibrate.py) and scripts/gpu-check.sh measure them:
+"""Forward and drafting costs as `specvoice calibrate` (commands/calibrate.py) and scripts/gpu-check.sh measure them:
 through the runner and the drafters the engine uses."""
 
 from __future__ import annotations

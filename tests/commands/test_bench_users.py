@@ -1,0 +1,125 @@
+"""`specvoice bench-users`: its counting and mixed-turn check on made-up turns, then N = 1 and 3 clients against the
+tiny-engine app with two answer slots, their answers held until every client was admitted or refused so that they
+overlap on any machine."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import threading
+
+import numpy as np
+import pytest
+
+from commands.bench_users import (
+    ClientTurn,
+    Utterance,
+    add_arguments,
+    bench_users,
+    is_mixed,
+    load_utterances,
+    summarize_run,
+)
+from pipeline.wer import word_error_rate
+from specdec.models import asset_path
+from tests.support.browser import running_app, shared_agent, wait_ready
+
+QUESTIONS = {
+    "capital": "What is the capital of France?",
+    "egg": "How do I boil an egg?",
+    "moon": "Why does the moon change shape?",
+}
+
+
+def utterance(name: str) -> Utterance:
+    return Utterance(name, np.zeros(16, np.float32), QUESTIONS[name])
+
+
+def test_a_turn_is_mixed_when_it_is_nearer_another_clients_question():
+    group = [utterance(n) for n in QUESTIONS]
+    capital, egg = group[0], group[1]
+    own = ClientTurn(0, "capital", "answered", True, "What's the capital of France?", "What's the capital of France?")
+    assert not is_mixed(own, capital, group)  # a small mishearing is still its own question
+    assert is_mixed(own, egg, group)  # the egg client was heard saying the capital question
+    swapped = ClientTurn(0, "capital", "answered", True, "What is the capital of France?", "How do I boil an egg?")
+    assert is_mixed(swapped, capital, group)  # answered for a transcript it was never told it said
+    assert not is_mixed(ClientTurn(0, "capital"), capital, group)  # nothing heard: lost, not mixed
+    # Without a known text, the transcript heard in the warm-up pass is the reference.
+    bare = [Utterance(u.name, u.audio, heard=u.text) for u in group]
+    assert not is_mixed(own, bare[0], bare) and is_mixed(own, bare[1], bare)
+
+
+def test_busy_is_counted_apart_from_lost_and_errors_over_every_client():
+    turns = [
+        ClientTurn(0, "capital", "answered", True, ttfa_ms=400.0),
+        ClientTurn(1, "egg", "answered", True, ttfa_ms=600.0),
+        ClientTurn(2, "moon", "busy"),
+        ClientTurn(3, "capital", note="timed out"),
+    ]
+    extra = [ClientTurn(4, "egg", "left", True, errors=["answer failed: boom"])]
+    run = summarize_run(4, turns, extra, {"passed": True})
+    assert (run["turns_sent"], run["turns_answered"], run["busy"], run["lost"]) == (4, 2, 1, 1)
+    assert run["server_errors"] == 1 and run["mixed"] == 0
+    assert run["ttfa_ms_p50"] == 500.0 and 400.0 < run["ttfa_ms_p95"] <= 600.0  # interpolated, never beyond
+    assert summarize_run(1, [ClientTurn(0, "egg", "busy")])["ttfa_ms_p50"] is None
+
+
+def test_options_are_the_apps_plus_the_clients():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--clients", "1,3", "--max-concurrent-answers", "2", "--draft", "ngram"])
+    assert (args.clients, args.max_concurrent_answers, args.draft, args.port) == ([1, 3], 2, "ngram", 0)
+    assert parser.parse_args([]).clients == [1, 2, 4] and not parser.parse_args([]).disconnect_one
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--clients", "0,2"])
+
+
+class HeldLLM:
+    """A conversation's LLM stage whose answers wait for a permit while `holding` is set."""
+
+    def __init__(self, llm, permits: threading.Semaphore, holding: threading.Event) -> None:
+        self.llm, self.permits, self.holding = llm, permits, holding
+
+    def __getattr__(self, name: str):
+        return getattr(self.llm, name)
+
+    def stream_reply(self, messages, speculation, stats, cancel=None):
+        if self.holding.is_set() and not self.permits.acquire(timeout=120):
+            raise TimeoutError("the answer was never released")
+        yield from self.llm.stream_reply(messages, speculation, stats, cancel)
+
+
+@pytest.mark.models
+def test_many_users_at_once_on_the_tiny_engine(monkeypatch):
+    agent = shared_agent()
+    permits, holding = threading.Semaphore(0), threading.Event()
+    per_conversation = agent.llm_for_conversation
+    monkeypatch.setattr(agent, "llm_for_conversation", lambda: HeldLLM(per_conversation(), permits, holding))
+    utterances = load_utterances(asset_path("utterances"))[:3]
+
+    def release(admitted: int) -> None:  # a group was admitted or refused: its admitted answers may go
+        if admitted:
+            permits.release(admitted)
+
+    with running_app(max_concurrent_answers=2) as app:
+        wait_ready(app)
+        holding.set()  # after the loader's own warm-up turns
+        one, three = bench_users(app.url, utterances, [1, 3], disconnect_one=True, on_admitted=release, progress=print)
+    for run in (one, three):
+        assert (run["lost"], run["mixed"], run["server_errors"]) == (0, 0, 0), run
+        ttfa = [t["ttfa_ms"] for t in run["turns"] if t["outcome"] == "answered"]
+        assert min(ttfa) > 250 and run["ttfa_ms_p50"] == statistics.median(ttfa)  # the hang-over is in TTFA
+    assert (one["turns_answered"], one["busy"], one["disconnect"]) == (1, 0, None)
+    # Three questions at once, two slots: the one past capacity is refused, never lost.
+    assert (three["turns_sent"], three["turns_answered"], three["busy"]) == (3, 2, 1)
+    assert three["disconnect"] == {
+        "left_mid_answer": True,
+        "fresh_clients": 2,
+        "fresh_answered": 2,
+        "fresh_busy": 0,
+        "passed": True,
+    }
+    texts = {u.name: u.text for u in utterances}
+    for t in three["turns"]:  # each client was heard saying its own question
+        assert word_error_rate(texts[t["utterance"]], t["transcript"]) < 0.3, t
+    assert not app.server.sessions

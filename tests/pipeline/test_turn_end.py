@@ -1,0 +1,242 @@
+"""End of turn by words, preemptive generation (held early answers) and prefill while speaking."""
+
+import math
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from pipeline.agent import AgentConfig, VoiceAgent
+from pipeline.audio import SAMPLE_RATE
+from pipeline.llm import EngineLLM, ReplyStats
+from pipeline.preemptive import ChildCancel, Hold
+from pipeline.timeline import STAGES, Timeline
+from pipeline.turn_end import TurnEnd, how_finished
+from specdec.build import build_engine
+from specdec.engine import EngineSession
+from tests.support.fakes import FakeTTS, ScriptedLLM
+from tests.support.speech import needs_espeak, speak
+
+
+@pytest.mark.parametrize(
+    "text, finish",
+    [
+        ("What is the capital of France?", "finished"),
+        ("Tell me a joke.", "finished"),
+        ("Stop!", "finished"),
+        ("What is the capital of", "unfinished"),
+        ("What is the capital of?", "unfinished"),  # Whisper closes cut-off phrases too
+        ("I want bread and", "unfinished"),
+        ("So the", "unfinished"),
+        ("Well, um...", "unfinished"),
+        ("Let me think,", "unfinished"),
+        ("how are you", "unfinished"),  # no closing punctuation: not known to be finished
+        ("", "unfinished"),
+        ("?", "unfinished"),
+        ("What time zone is London in?", "unsure"),  # a finished question that ends like an unfinished one
+        ("Why do birds fly south in?", "unsure"),
+        ("How many legs does a spider have?", "unsure"),
+    ],
+)
+def test_how_finished(text, finish):
+    assert how_finished(text) == finish
+
+
+def test_turn_end_waits_by_words_or_by_silence():
+    words = TurnEnd("words", silence_ms=300, complete_ms=200, unsure_ms=700, incomplete_ms=1000)
+    assert words.hangover_ms("Is it raining?") == 200
+    assert words.hangover_ms("Is it raining in?") == 700
+    assert words.hangover_ms("Is it raining and") == 1000
+    assert words.hangover_ms(None) == 1000  # not transcribed yet: wait for the words
+    assert words.longest_ms == 1000
+    silence = TurnEnd("silence", silence_ms=300)
+    assert silence.hangover_ms("Is it raining in") == silence.hangover_ms(None) == silence.longest_ms == 300
+    with pytest.raises(ValueError, match="mode"):
+        TurnEnd("vibes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="complete_ms"):
+        TurnEnd(complete_ms=0)
+
+
+def test_hold_releases_in_order_on_confirm_and_nothing_on_discard():
+    sent, cancel = [], threading.Event()
+    kept = Hold("hi")
+    sink = kept.wrap(lambda kind, payload: sent.append((kind, payload)))
+    sink("token", 1)
+    kept.post(lambda: sent.append(("turn", 0)))
+    assert sent == []  # held
+    kept.confirm()
+    sink("token", 2)
+    assert sent == [("token", 1), ("turn", 0), ("token", 2)] and kept.wait()
+    thrown = Hold("hi")
+    thrown.link(cancel)
+    thrown.wrap(lambda kind, payload: sent.append((kind, payload)))("audio", 3)
+    thrown.discard()
+    thrown.post(lambda: sent.append(("late", 4)))
+    thrown.confirm()  # too late: a discarded answer stays discarded
+    assert len(sent) == 3 and cancel.is_set() and not thrown.wait()
+    late = threading.Event()
+    thrown.link(late)  # linked after the discard: set at once
+    assert late.is_set()
+
+
+def test_child_cancel_follows_its_parent_but_not_the_other_way():
+    parent = threading.Event()
+    child = ChildCancel(parent)
+    child.set()
+    assert child.is_set() and not parent.is_set()
+    other = ChildCancel(parent)
+    parent.set()
+    assert other.is_set()
+
+
+def test_an_early_answers_marks_count_from_the_confirmation():
+    tl = Timeline()
+    tl.mark("speech_end", 10.0)
+    tl.early_start = 10.2
+    for name, t in (("llm_first_token", 10.4), ("first_chunk_ready", 10.6)):  # before the turn was confirmed
+        tl.mark(name, t)
+    tl.first_audio_ready = 10.65
+    tl.mark("end_of_turn", 10.5)
+    tl.mark("asr_final", 10.52)
+    tl.mark("first_audio_out", 10.66)
+    tl.silence_rule_ms = 300
+    stages = tl.stages_ms()
+    assert set(stages) == set(STAGES) and min(stages.values()) >= 0
+    assert math.isclose(sum(stages.values()), tl.ttfa_ms) and math.isclose(tl.ttfa_ms, 660)
+    saved = tl.saved_ms()
+    assert math.isclose(saved["preemptive"], 320)  # min(first audio ready, final transcript) − early start
+    assert math.isclose(saved["turn end by words"], 300 - 500)  # waited longer than the silence rule would
+
+
+class ScriptedASR:
+    """Whisper's stand-in: the words spoken up to the end of the audio it is given (times known from the test)."""
+
+    def __init__(self, parts: list[tuple[float, str]]) -> None:
+        self.parts = parts  # (seconds from the start when these words are complete, the transcript from then on)
+
+    def transcribe(self, audio):
+        seconds = len(audio) / SAMPLE_RATE
+        return next((text for until, text in reversed(self.parts) if seconds >= until), "")
+
+    def warmup(self):
+        pass
+
+
+def spoken(*pieces: str | float) -> tuple[np.ndarray, list[float]]:
+    """Speech (espeak) and silences (seconds) in a row; and where each piece's sound ends, in seconds."""
+    audio, ends = [np.zeros(4000, np.float32)], []
+    for p in pieces:
+        before = sum(len(a) for a in audio)
+        piece = np.zeros(int(p * SAMPLE_RATE), np.float32) if isinstance(p, float) else speak(p)
+        audio.append(piece)
+        loud = np.flatnonzero(np.abs(piece) > 0.01)
+        ends.append((before + (loud[-1] + 1 if len(loud) else len(piece))) / SAMPLE_RATE)
+    return np.concatenate(audio), ends
+
+
+def agent_with(asr, answer="Ottawa is the capital of Canada.", **config):
+    llm = ScriptedLLM(answer, step_s=0.02)
+    return VoiceAgent(AgentConfig(**config), llm=llm, transcriber=asr, tts=FakeTTS()), llm
+
+
+@needs_espeak
+def test_a_pause_after_unfinished_words_does_not_end_the_turn_and_its_early_answer_leaves_nothing():
+    audio, ends = spoken("What is the capital of", 0.5, "Canada?")
+    asr = ScriptedASR([(ends[0] - 0.3, "What is the capital of"), (ends[2] - 0.1, "What is the capital of Canada?")])
+    agent, llm = agent_with(asr)
+    conv, events = agent.new_conversation(), []
+    result = agent.turn_from_recording(conv, audio, True, on_event=lambda kind, payload: events.append(kind))
+    assert result.transcript == "What is the capital of Canada?"  # the turn was not cut at "of"
+    assert [m[-1]["content"] for m in llm.seen_messages] == ["What is the capital of", result.transcript]
+    assert result.timeline.early_discarded == 1  # started at the pause, thrown away when speech went on
+    assert events.count("done") == 1 and events.count("transcript") == 1 and not result.discarded
+    assert [m["content"] for m in conv.history] == [result.transcript, result.answer]  # nothing of the early one
+    assert result.timeline.early_start is not None  # the final words were answered early too, and kept
+    assert result.to_dict()["saved_ms"]["preemptive"] >= 0
+
+
+@needs_espeak
+@pytest.mark.parametrize("mode", ["words", "silence"])
+def test_finished_words_end_the_turn_sooner_and_the_early_answer_is_kept(mode):
+    audio, ends = spoken("What is the capital of France?")
+    asr = ScriptedASR([(ends[0] - 0.1, "What is the capital of France?")])
+    turn_end = TurnEnd(mode, silence_ms=600, complete_ms=200, incomplete_ms=1000)
+    agent, llm = agent_with(asr, turn_end=turn_end)
+    result = agent.turn_from_recording(agent.new_conversation(), audio, True)
+    d = result.to_dict()
+    wait = d["stages"]["end_of_turn_wait"]
+    expected = 200 if mode == "words" else 600
+    assert expected - 40 <= wait <= expected + 80
+    assert len(llm.seen_messages) == 1 and result.timeline.early_start is not None  # started early, kept
+    assert math.isclose(sum(d["stages"].values()), d["ttfa_ms"]) and d["ttfa_ms"] > wait
+    assert d["saved_ms"]["preemptive"] > 0
+    assert ("turn end by words" in d["saved_ms"]) is (mode == "words")
+
+
+@needs_espeak
+def test_without_preemption_the_answer_starts_after_the_turn():
+    audio, ends = spoken("What is the capital of France?")
+    asr = ScriptedASR([(ends[0] - 0.1, "What is the capital of France?")])
+    agent, llm = agent_with(asr, preemptive=False)
+    result = agent.turn_from_recording(agent.new_conversation(), audio, True)
+    assert result.timeline.early_start is None and "preemptive" not in result.to_dict()["saved_ms"]
+    assert result.timeline.marks["llm_first_token"] >= result.timeline.marks["asr_final"]
+
+
+@needs_espeak
+def test_a_barge_in_during_an_early_answer_stops_it_like_any_answer():
+    audio, ends = spoken("Tell me everything.")
+    asr = ScriptedASR([(ends[0] - 0.1, "Tell me everything.")])
+    agent, llm = agent_with(asr, answer=" ".join(f"word{i}." for i in range(200)))
+    cancel = threading.Event()
+
+    def on_event(kind, payload):
+        if kind == "audio":
+            cancel.set()  # the user talks over the first audio
+
+    conv = agent.new_conversation()
+    t0 = time.perf_counter()
+    result = agent.turn_from_recording(conv, audio, True, on_event=on_event, cancel=cancel)
+    assert time.perf_counter() - t0 < 6  # 200 steps of 20 ms would take 4 s after the speech
+    assert result.cancelled and not result.discarded and len(result.audio) == 1
+    assert conv.history[-1]["content"].endswith("…")
+
+
+def test_prefill_while_speaking_caches_the_words_and_changes_no_token(tiny_engine):
+    engine, _ = build_engine(tiny_engine.spec)
+    system = {"role": "system", "content": "You answer."}
+    final = [system, {"role": "user", "content": "What is the capital of France?"}]
+    answers = []
+    for prefill in (False, True):
+        llm = EngineLLM(engine, 12, session=EngineSession(engine))
+        if prefill:
+            llm.prefill_words([system, {"role": "user", "content": "What is the capital"}])
+            cached = list(llm.session.target.tokens)
+            assert cached == llm.prompt_ids(final)[: len(cached)]  # a prefix of the final prompt
+        stats = ReplyStats()
+        answers.append([d.text for d in llm.stream_reply(final, True, stats)])
+        assert (stats.prefilled_while_speaking_tokens > 0) is prefill
+    assert answers[0] == answers[1]
+
+
+@needs_espeak
+def test_an_early_answer_given_up_by_its_answerer_leaves_the_turn_to_be_answered_normally():
+    """The app gives an early answer up when no answer slot is free: the turn then asks again once it ends."""
+    from pipeline.listener import TurnListener
+    from pipeline.vad import FRAME
+
+    audio, ends = spoken("What is the capital of France?", 1.2)
+    asr = ScriptedASR([(ends[0] - 0.1, "What is the capital of France?")])
+    started: list[Hold] = []
+    listener = TurnListener(asr, TurnEnd(), start_early=lambda words, tl, hold: (started.append(hold), hold.discard()))
+    end = None
+    for i in range(0, len(audio), FRAME):
+        end = listener.feed(audio[i : i + FRAME], i / SAMPLE_RATE)
+        if end is not None:
+            break
+        time.sleep(0.002)  # let the ASR thread publish its partials
+    heard = listener.finish(end)
+    listener.close()
+    assert len(started) == 1 and heard.early is None and heard.transcript == "What is the capital of France?"
+    assert heard.timeline.early_start is None and heard.timeline.early_discarded == 1

@@ -1,0 +1,260 @@
+"""Speculative sampling keeps the target's distribution, checked through the real engine.stream on the tiny fp32
+pair against exact target probabilities: a χ² test on the joint distribution of the first two tokens, and a
+probability-integral-transform test over whole answers. Each check is also run on a deliberately broken sampler
+and must fail there ("teeth"); the seeds are fixed, so every outcome is reproducible."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats as scipy_stats
+
+from specdec import drafters as drafters_module
+from specdec import engine as engine_module
+from specdec import sampling
+from specdec.build import build_engine, k_policy_factory
+from specdec.drafters import DraftModelDrafter, NGramDrafter
+from specdec.engine import EngineSession, GenerationConfig, SpeculativeEngine, collect
+from specdec.models import build_tiny_random
+from specdec.runner import BatchRunner
+from specdec.sampling import SamplingParams, logits_to_probs
+from tests.support.engine import heads_engine
+
+pytestmark = pytest.mark.slow
+
+N_PAIRS = 5000
+N_ANSWERS = 1000
+ANSWER_TOKENS = 8
+P_FAIL = 1e-3  # a check fails below this p-value
+PARAMS = SamplingParams(temperature=0.5, top_p=0.9)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The tiny models are too small to split across threads: a second one costs more in handoffs than it adds."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def target(tiny_engine):
+    return tiny_engine.target
+
+
+@pytest.fixture(scope="module")
+def good_draft(tiny_engine):
+    """A draft that agrees with the target most of the time, so whole proposals are accepted and bonus tokens come."""
+    return tiny_engine.draft.model
+
+
+@pytest.fixture(scope="module")
+def poor_draft():
+    """A draft far from the target, so rejections and the residual do real work."""
+    return build_tiny_random(7, noise=0.3)
+
+
+def prompt(target, text: str = "hi") -> list[int]:
+    return target.tokenizer.chat_ids([{"role": "user", "content": text}])
+
+
+def engine_for(target, factory, k: int) -> SpeculativeEngine:
+    runner = BatchRunner(target.model, target.device)
+    return SpeculativeEngine(target, runner, factory, k_policy_factory(str(k)), auto_off=False)
+
+
+@torch.inference_mode()
+def exact_pair_probs(target, ids: list[int], params: SamplingParams) -> dict[tuple, float]:
+    """P(first two tokens) under the target alone; an EOS first token ends the answer: (eos, None)."""
+    p1 = logits_to_probs(target.model(torch.tensor([ids])).logits[0, -1], params)
+    firsts = p1.nonzero().flatten().tolist()
+    eos = target.tokenizer.eos_token_ids
+    p2 = logits_to_probs(target.model(torch.tensor([ids + [t] for t in firsts])).logits[:, -1], params)
+    joint: dict[tuple, float] = {}
+    for row, t1 in enumerate(firsts):
+        if t1 in eos:
+            joint[(t1, None)] = float(p1[t1])
+            continue
+        for t2 in p2[row].nonzero().flatten().tolist():
+            joint[(t1, t2)] = float(p1[t1] * p2[row, t2])
+    return joint
+
+
+def sample_pairs(engine: SpeculativeEngine, ids: list[int], n: int, session: EngineSession | None = None) -> Counter:
+    """The first two tokens of n answers. Each answer may run to 4 tokens: a budget of 2 would cap K at 1."""
+    pairs: Counter = Counter()
+    for seed in range(n):
+        tokens = collect(engine.stream(ids, GenerationConfig(4, PARAMS, seed=seed), session=session))[0]
+        pairs[(tokens[0], tokens[1] if len(tokens) > 1 else None)] += 1
+    return pairs
+
+
+def chi2_pvalue(observed: Counter, exact: dict[tuple, float]) -> float:
+    """Pearson χ² over the cells expected ≥ 5 times, the rest pooled in one bin; 0 if an impossible pair came."""
+    n = sum(observed.values())
+    if any(cell not in exact for cell in observed):
+        return 0.0
+    cells = sorted(exact, key=exact.get, reverse=True)
+    big = [c for c in cells if n * exact[c] >= 5]
+    obs = [observed[c] for c in big]
+    exp = [n * exact[c] for c in big]
+    rest_exp = n - sum(exp)
+    if rest_exp >= 5:
+        obs.append(n - sum(obs))
+        exp.append(rest_exp)
+    else:  # too little left to stand alone: fold it into the last bin
+        obs[-1] += n - sum(obs)
+        exp[-1] += rest_exp
+    stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp))
+    return float(scipy_stats.chi2.sf(stat, len(obs) - 1))
+
+
+@torch.inference_mode()
+def pit_pvalues(engine: SpeculativeEngine, target, ids: list[int], n: int) -> tuple[float, float]:
+    """Randomized PIT of emitted tokens under the target's exact conditionals, KS-tested against U(0, 1): for every
+    token (i.i.d. uniform when answers follow the target, Rosenblatt), and for the bonus tokens alone (a step's
+    last token after all its drafts were accepted: it is chosen as a bonus before it is drawn, so its PIT is
+    uniform too). Returns (p all tokens, p bonus tokens)."""
+    rng = np.random.default_rng(0)
+    every, bonus = [], []
+    for seed in range(n):
+        tokens, events = collect(engine.stream(ids, GenerationConfig(ANSWER_TOKENS, PARAMS, seed=seed)))
+        probs = logits_to_probs(target.model(torch.tensor([ids + tokens])).logits[0, len(ids) - 1 : -1], PARAMS)
+        below = torch.cumsum(probs, -1) - probs  # P(token id < x)
+        pos = 0
+        for ev in events:
+            for j, tok in enumerate(ev.tokens):
+                u = float(below[pos, tok]) + rng.random() * float(probs[pos, tok])
+                every.append(u)
+                if j == ev.drafted == ev.accepted > 0:
+                    bonus.append(u)
+                pos += 1
+    assert len(bonus) > n // 4  # enough bonus tokens to test
+    return (float(scipy_stats.kstest(every, "uniform").pvalue), float(scipy_stats.kstest(bonus, "uniform").pvalue))
+
+
+def draft_model_factory(model, target, **kw):
+    runner = BatchRunner(model, target.device)
+    return lambda: DraftModelDrafter(runner, **kw)
+
+
+def gate_at_first_confidence(model, ids: list[int]) -> float:
+    """A confidence gate that lets the first draft through and cuts some later ones."""
+    with torch.inference_mode():
+        return 0.999 * float(logits_to_probs(model(torch.tensor([ids])).logits[0, -1], PARAMS).max())
+
+
+# The engine as shipped, with each kind of drafter: all must pass.
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_draft_model_keeps_the_target_joint(target, poor_draft, k):
+    ids = prompt(target)
+    engine = engine_for(target, draft_model_factory(poor_draft, target), k)
+    assert chi2_pvalue(sample_pairs(engine, ids, N_PAIRS), exact_pair_probs(target, ids, PARAMS)) > P_FAIL
+
+
+def test_confidence_gate_keeps_the_target_joint(target, poor_draft):
+    ids = prompt(target)
+    gate = gate_at_first_confidence(poor_draft, ids)
+    engine = engine_for(target, draft_model_factory(poor_draft, target, min_prob=gate), 3)
+    drafted = {collect(engine.stream(ids, GenerationConfig(4, PARAMS, seed=s)))[1][0].drafted for s in range(60)}
+    assert len(drafted) > 1, drafted  # the gate cuts some proposals short and lets others through
+    assert chi2_pvalue(sample_pairs(engine, ids, N_PAIRS), exact_pair_probs(target, ids, PARAMS)) > P_FAIL
+
+
+def test_ngram_drafter_keeps_the_target_joint(target):
+    ids = prompt(target, "a b a b a b a b")
+    engine = engine_for(target, NGramDrafter, 3)
+    _, events = collect(engine.stream(ids, GenerationConfig(2, PARAMS)))
+    assert events[0].drafted > 0  # the prompt repeats, so the lookup proposes
+    assert chi2_pvalue(sample_pairs(engine, ids, N_PAIRS), exact_pair_probs(target, ids, PARAMS)) > P_FAIL
+
+
+def test_int8_cut_vocabulary_draft_keeps_the_target_joint(target, tiny_engine):
+    ids = prompt(target)
+    engine, _ = build_engine(tiny_engine.spec_with(draft_quant="int8", draft_vocab=120, draft_min_prob=0.0))
+    engine.auto_off = False
+    assert chi2_pvalue(sample_pairs(engine, ids, N_PAIRS), exact_pair_probs(target, ids, PARAMS)) > P_FAIL
+
+
+def test_reused_session_keeps_the_target_joint(target, poor_draft):
+    ids = prompt(target)
+    engine = engine_for(target, draft_model_factory(poor_draft, target), 3)
+    session = EngineSession(engine)
+    session.prefill(ids[:-3])  # the cached prefix every answer then shares
+    assert chi2_pvalue(sample_pairs(engine, ids, N_PAIRS, session), exact_pair_probs(target, ids, PARAMS)) > P_FAIL
+
+
+def test_whole_answers_and_bonus_tokens_follow_the_target(target, good_draft):
+    engine = engine_for(target, draft_model_factory(good_draft, target), 3)
+    assert min(pit_pvalues(engine, target, prompt(target), N_ANSWERS)) > P_FAIL
+
+
+def test_draft_heads_keep_the_target_joint(target, tiny_engine, tiny_heads):
+    """The heads draft from the second token on (the first comes from the prefill), so the pair's second token is
+    where their q is tested."""
+    ids = prompt(target)
+    engine = heads_engine(tiny_engine, tiny_heads)
+    events = [collect(engine.stream(ids, GenerationConfig(4, PARAMS, seed=s)))[1] for s in range(200)]
+    assert sum(e[1].drafted for e in events if len(e) > 1) > 0
+    assert sum(e[1].accepted for e in events if len(e) > 1) > 0
+    assert chi2_pvalue(sample_pairs(engine, ids, N_PAIRS), exact_pair_probs(target, ids, PARAMS)) > P_FAIL
+
+
+def test_whole_answers_with_draft_heads_follow_the_target(target, tiny_engine, tiny_heads):
+    engine = heads_engine(tiny_engine, tiny_heads, k=1)
+    assert min(pit_pvalues(engine, target, prompt(target), N_ANSWERS)) > P_FAIL
+
+
+# Teeth: the same checks on deliberately broken samplers must fail.
+
+
+def test_joint_check_catches_heads_that_record_the_wrong_q(target, tiny_engine, tiny_heads, monkeypatch):
+    """Heads that sample their draft from the untempered q but record the tempered one."""
+    monkeypatch.setattr(drafters_module, "sample", sample_untempered)  # heads and draft models draw through it
+    ids = prompt(target)
+    engine = heads_engine(tiny_engine, tiny_heads, k=1)
+    assert chi2_pvalue(sample_pairs(engine, ids, N_PAIRS), exact_pair_probs(target, ids, PARAMS)) < P_FAIL
+
+
+def residual_is_p(p, q):
+    return p
+
+
+def bonus_from_previous_row(real):
+    def broken(drafts, proposed, p, q, generator=None):
+        if len(p) > 1:  # row K replaced by row K − 1 (a plain step has only row 0)
+            p = torch.cat([p[:-1], p[-2:-1]])
+        return real(drafts, proposed, p, q, generator)
+
+    return broken
+
+
+def sample_untempered(probs, generator=None):
+    """Draws the draft token from the untempered, unfiltered q while the tempered q is what gets recorded."""
+    untempered = probs.clamp_min(1e-30) ** PARAMS.temperature
+    return sampling.sample(untempered / untempered.sum(), generator)
+
+
+@pytest.mark.parametrize("broken", ["residual_is_p", "q_recorded_without_temperature", "bonus_from_row_k_minus_1"])
+def test_joint_check_catches_a_broken_sampler(target, poor_draft, monkeypatch, broken):
+    if broken == "residual_is_p":
+        monkeypatch.setattr(sampling, "residual_distribution", residual_is_p)
+    elif broken == "q_recorded_without_temperature":
+        monkeypatch.setattr(drafters_module, "sample", sample_untempered)
+    else:
+        monkeypatch.setattr(engine_module, "sampled_verdict", bonus_from_previous_row(sampling.sampled_verdict))
+    ids = prompt(target)
+    engine = engine_for(target, draft_model_factory(poor_draft, target), 1)
+    assert chi2_pvalue(sample_pairs(engine, ids, N_PAIRS), exact_pair_probs(target, ids, PARAMS)) < P_FAIL
+
+
+def test_pit_check_catches_a_bonus_from_the_wrong_row(target, good_draft, monkeypatch):
+    monkeypatch.setattr(engine_module, "sampled_verdict", bonus_from_previous_row(sampling.sampled_verdict))
+    engine = engine_for(target, draft_model_factory(good_draft, target), 3)
+    assert pit_pvalues(engine, target, prompt(target), N_ANSWERS)[1] < P_FAIL

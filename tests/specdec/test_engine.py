@@ -1,0 +1,443 @@
+"""The engine on tiny random fp32 models: lossless output, cache rollback, K policy, fallbacks, errors."""
+
+import copy
+import dataclasses
+import threading
+
+import pytest
+import torch
+
+from specdec.build import IncompatibleDraftError, build_engine, check_pair, k_policy_factory
+from specdec.drafters import DraftModelDrafter, NGramDrafter, Proposal
+from specdec.engine import GenerationConfig, PromptError, SpeculativeEngine, collect
+from specdec.kpolicy import AdaptiveK, SpeculationGovernor
+from specdec.metrics import SpecStats
+from specdec.models import ModelLoadError, check_memory, load_model
+from specdec.runner import BatchRunner, fastest_min_feed
+from specdec.sampling import SamplingParams
+from tests.support.engine import ON_CPU, draft_factory, make_engine, target_only
+
+PROMPTS = ["hello there", "what is two plus two?", "tell me a story about a cat", "a b a b a b a b", "x"]
+
+
+@pytest.mark.parametrize("k", ["1", "2", "4", "7", "adaptive"])
+@pytest.mark.parametrize("drafter", ["model", "ngram"])
+def test_greedy_output_identical_to_target_only(tiny_engine, k, drafter):
+    target, draft = tiny_engine.models
+    factory = draft_factory(draft) if drafter == "model" else lambda: NGramDrafter(target.device)
+    engine = make_engine(target, factory, k)
+    proposed = 0
+    for text in PROMPTS:
+        ids = target.tokenizer.chat_ids([{"role": "user", "content": text}])
+        stats = SpecStats()
+        spec, _ = collect(engine.stream(ids, GenerationConfig(40), stats=stats))
+        assert spec == target_only(target, ids, 40), text
+        proposed += stats.proposed
+    assert proposed > 0  # speculation really ran
+
+
+def test_draft_acceptance_is_partial_so_rejections_are_exercised(tiny_engine):
+    target, draft = tiny_engine.models
+    engine = make_engine(target, draft_factory(draft), "4")
+    stats = SpecStats()
+    for text in PROMPTS:
+        ids = target.tokenizer.chat_ids([{"role": "user", "content": text}])
+        collect(engine.stream(ids, GenerationConfig(40), stats=stats))
+    assert 0.2 < stats.draft_acceptance_rate < 0.95
+    assert stats.rejections > 5
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_greedy_identical_across_seeds_of_draft_noise(tiny_engine, seed):
+    from specdec.models import build_tiny_random
+
+    target = tiny_engine.target
+    draft_model = build_tiny_random(100 + seed).to(target.device)
+    engine = make_engine(target, lambda: DraftModelDrafter(BatchRunner(draft_model, target.device)), "3")
+    ids = target.tokenizer.chat_ids([{"role": "user", "content": f"seed {seed} prompt"}])
+    assert collect(engine.stream(ids, GenerationConfig(30)))[0] == target_only(target, ids, 30)
+
+
+def test_vocab_restricted_draft_stays_lossless(tiny_engine):
+    target = tiny_engine.target
+    spec = tiny_engine.spec_with(draft_quant="int8" if ON_CPU else "none", draft_vocab=120)  # int8: a CPU format
+    engine, _ = build_engine(spec)
+    engine.auto_off = False
+    engine.target = target
+    for text in PROMPTS[:3]:
+        ids = target.tokenizer.chat_ids([{"role": "user", "content": text}])
+        assert collect(engine.stream(ids, GenerationConfig(30)))[0] == target_only(target, ids, 30)
+
+
+@torch.inference_mode()
+def test_cache_rollback_matches_fresh_forward(tiny_engine):
+    target = tiny_engine.target
+    cache = BatchRunner(target.model, target.device).new_cache()
+    ids = list(range(10, 40))
+    cache.extend(ids + [50, 51, 52], n_logits=4)
+    capacity = cache.capacity
+    cache.rollback(len(ids) + 1)  # keep one accepted draft, drop two
+    assert cache.tokens == ids + [50] and cache.capacity == capacity  # a position moved back, nothing reallocated
+    got = cache.extend(ids + [50, 77])[-1]
+    fresh = target.model(torch.tensor([ids + [50, 77]], device=target.device)).logits[0, -1]
+    assert torch.allclose(got, fresh, atol=1e-4)
+
+
+@torch.inference_mode()
+def test_padded_single_token_feed_gives_the_unpadded_logits(tiny_engine):
+    target = tiny_engine.target
+    plain = BatchRunner(target.model, target.device).new_cache()
+    padded = BatchRunner(target.model, target.device, min_feed=2).new_cache()
+    ids = list(range(10, 30))
+    for cache in (plain, padded):
+        cache.extend(ids)
+    for extra in ([40], [40, 41], [40, 41, 42]):  # one new token is padded, more are fed as they are
+        want, got = plain.extend(ids + extra, n_logits=len(extra)), padded.extend(ids + extra, n_logits=len(extra))
+        assert got.shape == want.shape and torch.allclose(got, want, atol=1e-4)
+        assert padded.tokens == ids + extra  # the pad is not kept
+    # A fully cached sequence is re-fed from its last token, padded too.
+    assert torch.allclose(padded.extend(ids + [40, 41, 42])[-1], plain.extend(ids + [40, 41, 42])[-1], atol=1e-4)
+
+
+def test_greedy_identical_with_confidence_gate(tiny_engine):
+    target, draft = tiny_engine.models
+    ids = target.tokenizer.chat_ids([{"role": "user", "content": "tell me a story about a cat"}])
+    with torch.inference_mode():  # a gate at the draft's median confidence along the answer: it must bite sometimes
+        answer = target_only(target, ids, 40)
+        logits = draft.model(torch.tensor([ids + answer], device=draft.device)).logits
+        conf = torch.softmax(logits[0, len(ids) - 1 : -1], -1).amax(-1)
+    gate = float(conf.median())
+    engine = make_engine(target, draft_factory(draft, min_prob=gate), "4")
+    spec, events = collect(engine.stream(ids, GenerationConfig(40)))
+    assert spec == answer
+    before = [sum(len(e.tokens) for e in events[:i]) for i in range(len(events))]
+    early = [ev.drafted for ev, n in zip(events, before) if n < 30]  # later, the token budget also caps K
+    assert min(early) < 4 and max(early) == 4
+
+
+def test_greedy_identical_with_padded_feeds(tiny_engine):
+    target, draft = tiny_engine.models
+    ids = target.tokenizer.chat_ids([{"role": "user", "content": "tell me a story about a cat"}])
+    want = target_only(target, ids, 40)
+    padded_draft = BatchRunner(draft.model, draft.device, min_feed=2)
+    for factory in (draft_factory(draft), lambda: DraftModelDrafter(padded_draft)):
+        assert collect(make_engine(target, factory, min_feed=2).stream(ids, GenerationConfig(40)))[0] == want
+    padded_only = make_engine(target, None, min_feed=2)
+    assert collect(padded_only.stream(ids, GenerationConfig(40, speculate=False)))[0] == want
+
+
+@pytest.mark.parametrize("one_row_ms,two_rows_ms,want", [(243, 190, 2), (30, 32, 1)])
+def test_fastest_min_feed_picks_the_faster_width(tiny_engine, monkeypatch, one_row_ms, two_rows_ms, want):
+    """On a clock that a one-token forward advances by one_row_ms and a padded two-token one by two_rows_ms. On a
+    GPU the width is 1, untimed."""
+    target = tiny_engine.target
+    clock = {"ms": 0.0}
+    cost = {1: one_row_ms, 2: two_rows_ms}
+
+    real_forward = BatchRunner._forward
+
+    def timed_forward(self, feeds, spans, ids, positions):
+        clock["ms"] += cost.get(len(ids), 0.0)
+        return real_forward(self, feeds, spans, ids, positions)
+
+    monkeypatch.setattr(BatchRunner, "_forward", timed_forward)
+    monkeypatch.setattr("specdec.timing.time.perf_counter", lambda: clock["ms"] / 1000)
+    assert fastest_min_feed(BatchRunner(target.model, target.device)) == (want if ON_CPU else 1)
+
+
+def test_adaptive_k_moves_with_acceptance(step_event):
+    high = AdaptiveK(3, 6)
+    for _ in range(10):
+        high.observe(step_event(high.k, high.k, high.k, draft_s=0.01 * high.k, verify_s=0.2))
+    assert high.k == 6
+    low = AdaptiveK(3, 6)
+    for _ in range(10):
+        low.observe(step_event(0, low.k, low.k, draft_s=0.1 * low.k, verify_s=0.2))
+    assert low.k == 3
+
+
+def test_adaptive_k_runs_in_engine_within_bounds(tiny_engine):
+    target, draft = tiny_engine.models
+    engine = make_engine(target, draft_factory(draft), "adaptive")
+    _, events = collect(
+        engine.stream(target.tokenizer.chat_ids([{"role": "user", "content": "go"}]), GenerationConfig(100))
+    )
+    produced, ks = 0, set()
+    for ev in events:
+        if 100 - produced > 7:  # near the end the token budget caps K below k_min
+            ks.add(ev.k_chosen)
+        produced += len(ev.tokens)
+    assert ks and all(3 <= k <= 6 for k in ks)
+
+
+def test_governor_switches_off_when_measured_slower(step_event):
+    gov = SpeculationGovernor(window=4, min_steps=3)
+    for _ in range(6):
+        gov.observe(step_event(1, 1, 1, draft_s=0.1, verify_s=0.4))  # 2 tokens: 4 tok/s with drafts
+    assert gov.wants_probe and gov.off_reason == ""  # no target-only step measured yet: ask for one
+    gov.observe(step_event(verify_s=0.2, speculative=False))  # 5 tok/s target-only
+    assert "switched off" in gov.off_reason and not gov.wants_probe
+    fast = SpeculationGovernor(window=4, min_steps=3)
+    for _ in range(6):
+        fast.observe(step_event(3, 3, 3, draft_s=0.05, verify_s=0.2))
+    fast.observe(step_event(verify_s=0.2, speculative=False))
+    assert fast.off_reason == "" and not fast.wants_probe
+
+
+def test_engine_reports_auto_off_and_stays_lossless(tiny_engine):
+    target = tiny_engine.target
+
+    class SlowUselessDrafter(NGramDrafter):
+        def propose(self, context, k, params, generator):
+            import time
+
+            time.sleep(0.02)
+            return Proposal.of([1] * k, self.device)
+
+    engine = make_engine(target, lambda: SlowUselessDrafter(target.device))
+    engine.auto_off = True
+    ids = target.tokenizer.chat_ids([{"role": "user", "content": "hello"}])
+    tokens, events = collect(engine.stream(ids, GenerationConfig(40)))
+    assert tokens == target_only(target, ids, 40)
+    assert any("switched off" in ev.note for ev in events)
+    assert events[-1].k_chosen == 0
+
+
+def test_drafter_failing_mid_answer_falls_back_and_keeps_tokens(tiny_engine):
+    target, draft = tiny_engine.models
+    calls = {"n": 0}
+
+    class Flaky(DraftModelDrafter):
+        def propose(self, context, k, params, generator):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("draft server went away")
+            return super().propose(context, k, params, generator)
+
+    runner = BatchRunner(draft.model, draft.device)
+    engine = make_engine(target, lambda: Flaky(runner), "3")
+    ids = target.tokenizer.chat_ids([{"role": "user", "content": "hello there"}])
+    tokens, events = collect(engine.stream(ids, GenerationConfig(40)))
+    assert tokens == target_only(target, ids, 40)
+    assert len(tokens) == 40
+    assert any("drafter failed" in ev.note and "draft server went away" in ev.note for ev in events)
+    assert all(ev.k_chosen == 0 for ev in events[3:])
+
+
+def test_speculation_pauses_above_concurrency_limit(tiny_engine):
+    target, draft = tiny_engine.models
+    engine = make_engine(target, draft_factory(draft), "3", disable_by_batch_size=0)
+    ids = target.tokenizer.chat_ids([{"role": "user", "content": "hello"}])
+    tokens, events = collect(engine.stream(ids, GenerationConfig(10)))
+    assert all(ev.k_chosen == 0 for ev in events) and "paused" in events[0].note
+    assert tokens == target_only(target, ids, 10)
+
+
+def test_cancel_stops_promptly(tiny_engine):
+    target, draft = tiny_engine.models
+    engine = make_engine(target, draft_factory(draft), "3")
+    cancel = threading.Event()
+    ids = target.tokenizer.chat_ids([{"role": "user", "content": "hello"}])
+    events = []
+    for ev in engine.stream(ids, GenerationConfig(200), cancel):
+        events.append(ev)
+        cancel.set()
+    assert len(events) == 2 and events[1].finish_reason == "cancelled" and events[1].tokens == []
+
+
+def test_length_and_context_limits(tiny_engine):
+    target, draft = tiny_engine.models
+    engine = make_engine(target, draft_factory(draft), "4")
+    ids = target.tokenizer.chat_ids([{"role": "user", "content": "hello"}])
+    tokens, events = collect(engine.stream(ids, GenerationConfig(7)))
+    assert len(tokens) == 7 and events[-1].finish_reason == "length"
+    long_ids = ids + [97] * (target.max_context - len(ids) - 5)
+    tokens, events = collect(engine.stream(long_ids, GenerationConfig(50)))
+    assert len(tokens) == 5 and events[-1].finish_reason == "context"
+
+
+def test_bad_inputs_give_clear_errors(tiny_engine):
+    target, draft = tiny_engine.models
+    engine = make_engine(target, draft_factory(draft))
+    with pytest.raises(PromptError, match="empty prompt"):
+        list(engine.stream([], GenerationConfig(5)))
+    with pytest.raises(PromptError, match="context"):
+        list(engine.stream([65] * (target.max_context + 3), GenerationConfig(5)))
+    with pytest.raises(PromptError, match="max_new_tokens"):
+        list(engine.stream([65], GenerationConfig(0)))
+    with pytest.raises(ModelLoadError, match="unknown model"):
+        load_model("no-such-preset")
+    with pytest.raises(ValueError, match="--k"):
+        k_policy_factory("many")
+    with pytest.raises(ModelLoadError, match="not enough memory"):
+        check_memory([("huge", 1 << 50)], torch.device("cpu"))
+
+
+def test_incompatible_tokenizers_are_refused(tiny_engine):
+    target, draft = tiny_engine.models
+
+    class OtherVocab:
+        eos_token_ids = {0}
+
+        def vocab_fingerprint(self):
+            return ("other", 1)
+
+    other = type(draft)(draft.name, draft.model, OtherVocab(), draft.device, draft.dtype)
+    with pytest.raises(IncompatibleDraftError, match="different tokenizer"):
+        check_pair(target, other)
+
+
+def test_session_reuses_prefix_and_stays_lossless(tiny_engine):
+    from specdec.engine import EngineSession
+    from specdec.tokenizer import shared_prefix_ids
+
+    target, draft = tiny_engine.models
+    engine = make_engine(target, draft_factory(draft), "3")
+    session = EngineSession(engine)
+    system = shared_prefix_ids(target.tokenizer, "be brief")
+    session.prefill(system)
+    assert session.target.tokens == system
+    history = [{"role": "system", "content": "be brief"}]
+    for text in ["hello", "and again"]:
+        history.append({"role": "user", "content": text})
+        ids = target.tokenizer.chat_ids(history)
+        assert session.target.common_prefix(ids) >= len(system)  # the shared prefix stays cached
+        tokens, _ = collect(engine.stream(ids, GenerationConfig(20), session=session))
+        assert tokens == target_only(target, ids, 20)
+        history.append({"role": "assistant", "content": target.tokenizer.decode(tokens)})
+    session.rollback(len(system))
+    assert session.target.tokens == system and session.drafter.cache.tokens == system
+
+
+def test_session_with_prompt_already_cached_stays_lossless(tiny_engine):
+    """A repeated turn finds its whole prompt cached; verification must still line up its logits."""
+    from specdec.engine import EngineSession
+
+    target, draft = tiny_engine.models
+    engine = make_engine(target, draft_factory(draft), "4")
+    session = EngineSession(engine)
+    ids = target.tokenizer.chat_ids([{"role": "user", "content": "same question"}])
+    expected = target_only(target, ids, 25)
+    for speculate in (False, True, True, False):
+        tokens, _ = collect(engine.stream(ids, GenerationConfig(25, speculate=speculate), session=session))
+        assert tokens == expected, speculate
+
+
+def test_draft_model_crashing_inside_its_forward_leaves_a_usable_session(tiny_engine):
+    from specdec.engine import EngineSession
+
+    target, draft = tiny_engine.models
+
+    class CrashOnce(BatchRunner):
+        calls = 0
+
+        def _forward(self, *args):
+            self.calls += 1
+            out = super()._forward(*args)  # the cache was written already when the failure hits
+            if self.calls == 4:
+                raise RuntimeError("out of memory in the draft")
+            return out
+
+    crashing = CrashOnce(draft.model, draft.device)
+    engine = make_engine(target, lambda: DraftModelDrafter(crashing), "3")
+    session = EngineSession(engine)
+    ids = target.tokenizer.chat_ids([{"role": "user", "content": "hello there"}])
+    tokens, events = collect(engine.stream(ids, GenerationConfig(20), session=session))
+    assert tokens == target_only(target, ids, 20) and any("drafter failed" in ev.note for ev in events)
+    again = target.tokenizer.chat_ids([{"role": "user", "content": "and once more"}])
+    stats = SpecStats()
+    tokens, _ = collect(engine.stream(again, GenerationConfig(20), stats=stats, session=session))
+    assert tokens == target_only(target, again, 20) and stats.proposed > 0
+    cache = session.drafter.cache  # it still holds exactly what it says: its logits are a fresh cache's
+    held = [t for t in cache.tokens if t >= 0]
+    assert held == cache.tokens[: len(held)]
+    fresh = BatchRunner(draft.model, draft.device).new_cache()
+    assert torch.allclose(cache.extend(held + [5]), fresh.extend(held + [5]), atol=1e-4)
+
+
+class RecordingK:
+    """A fixed-K policy that remembers what it was told."""
+
+    def __init__(self, k):
+        self.k, self.seen = k, []
+
+    def next_k(self):
+        return self.k
+
+    def observe(self, event):
+        if event.speculative:
+            self.seen.append((event.accepted, event.drafted, event.draft_forwards))
+
+
+def test_a_draft_forward_that_proposes_nothing_is_still_a_speculative_step(tiny_engine):
+    """The confidence gate can stop before the first draft: its forward ran, so stats, K policy and events count
+    it, and every target forward is in tokens_per_target_forward."""
+    target, draft = tiny_engine.models
+    policy = RecordingK(4)
+    runner = BatchRunner(target.model, target.device)
+    engine = SpeculativeEngine(target, runner, draft_factory(draft, min_prob=1.01), lambda: policy, auto_off=False)
+    ids = target.tokenizer.chat_ids([{"role": "user", "content": "hello"}])
+    stats = SpecStats()
+    tokens, events = collect(engine.stream(ids, GenerationConfig(12), stats=stats))
+    assert tokens == target_only(target, ids, 12)
+    # The gate is decided on the device, so every draft position ran its forward (k of them, fewer near the end).
+    assert all(ev.speculative and ev.drafted == 0 and ev.draft_forwards == ev.k_chosen for ev in events[:-1])
+    assert stats.speculative_steps == len(policy.seen) == 11  # the last step has no room
+    assert stats.draft_forwards == sum(ev.k_chosen for ev in events)
+    assert stats.target_forwards == 12 and stats.tokens_per_target_forward == 1.0 and stats.proposed == 0
+    assert policy.seen[0] == (0, 0, 4)
+
+
+def test_governor_switches_off_a_drafter_that_only_costs_time(tiny_engine):
+    target = tiny_engine.target
+
+    class SlowSilentDrafter(NGramDrafter):
+        def propose(self, context, k, params, generator):
+            import time
+
+            time.sleep(0.02)
+            return dataclasses.replace(Proposal.of([], self.device), forwards=1)
+
+    engine = make_engine(target, lambda: SlowSilentDrafter(target.device))
+    engine.auto_off = True
+    ids = target.tokenizer.chat_ids([{"role": "user", "content": "hello"}])
+    tokens, events = collect(engine.stream(ids, GenerationConfig(40)))
+    assert tokens == target_only(target, ids, 40)
+    assert any("switched off" in ev.note for ev in events) and not events[-1].speculative
+
+
+def test_drafts_past_eos_are_not_counted(tiny_engine):
+    """An oracle drafter proposes the target's own answer, 4 at a time; a token in the second step's drafts is made
+    the EOS, so the drafts after it are accepted by the target but never part of the answer."""
+    target = tiny_engine.target
+    ids = target.tokenizer.chat_ids([{"role": "user", "content": "tell me a story about a cat"}])
+    answer = target_only(target, ids, 20)
+    end = next(i for i in range(5, 8) if answer[i] not in answer[:i])  # not the last draft, so some come after
+    eos = answer[end]
+    tokenizer = copy.copy(target.tokenizer)
+    tokenizer.eos_token_ids = {eos}
+    with_eos = dataclasses.replace(target, tokenizer=tokenizer)
+
+    class Oracle(NGramDrafter):
+        def propose(self, context, k, params, generator):
+            done = len(context) - len(ids)
+            return Proposal.of(answer[done : done + k], self.device)
+
+    stats = SpecStats()
+    tokens, events = collect(
+        make_engine(with_eos, lambda: Oracle(target.device), "4").stream(ids, GenerationConfig(20), stats=stats)
+    )
+    assert tokens == answer[: end + 1] and events[-1].finish_reason == "eos"
+    assert [ev.accepted for ev in events] == [4, end - 4]
+    assert (stats.proposed, stats.accepted, stats.emitted, stats.rejections) == (end, end, end + 1, 0)
+
+
+def test_a_seed_reproduces_its_sampled_answer_with_a_fixed_k_schedule(tiny_engine):
+    target, draft = tiny_engine.models
+    engine = make_engine(target, draft_factory(draft), "3")
+    ids = target.tokenizer.chat_ids([{"role": "user", "content": "hello"}])
+    params = SamplingParams(temperature=1.0)
+    answers = {tuple(collect(engine.stream(ids, GenerationConfig(30, params, seed=5)))[0]) for _ in range(3)}
+    assert len(answers) == 1
+    other = collect(engine.stream(ids, GenerationConfig(30, params, seed=6)))[0]
+    assert tuple(other) not in answers  # the seed is what fixes it

@@ -1,0 +1,284 @@
+"""Draft heads on the tiny target: data, training (resumable), the file format, the drafter, and the engine with
+heads staying lossless (greedy output identical to target-only; sampling is covered in test_distribution.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from commands import cli
+from specdec.engine import EngineSession, GenerationConfig, collect
+from specdec.heads_data import load_shards, shard_path
+from specdec.heads_drafter import HeadsDrafter
+from specdec.heads_file import load_heads, read_heads, save_heads
+from specdec.heads_model import DraftHeads
+from specdec.heads_train import TrainConfig, heads_config, simulated_acceptance, train_heads
+from specdec.runner import BatchRunner
+from specdec.sampling import SamplingParams
+from tests.support.engine import WORDS, heads_engine, tiny_prompts
+
+
+def test_the_data_holds_each_position_s_feature(tiny_engine, tiny_data):
+    """A shard's features are the LM head's inputs: the head turns feature j into the logits for token j + 1."""
+    target = tiny_engine.target
+    seqs = load_shards(tiny_data)
+    assert len(seqs) == 48 and shard_path(tiny_data, 2).exists()
+    s = seqs[0]
+    assert s.features.shape == (len(s.tokens) - 1, target.model.config.hidden_size)
+    with torch.inference_mode():
+        logits = target.model(torch.tensor([s.tokens], device=target.device)).logits[0, :-1]
+        from_features = target.model.get_output_embeddings()(s.features.to(target.device).float())
+    answer = slice(s.answer_start - 1, None)
+    # Stored in bf16: the logits agree to bf16's precision (a near tie may flip), and they are the greedy answer's.
+    assert torch.allclose(from_features, logits, atol=0.05, rtol=0.02)
+    chosen = from_features[answer].argmax(-1)
+    assert (chosen == torch.tensor(s.tokens[s.answer_start :], device=target.device)).float().mean() > 0.9
+
+
+def test_keep_hidden_leaves_the_logits_bit_for_bit(tiny_engine):
+    target = tiny_engine.target
+    ids = tiny_prompts(target, 1)[0]
+    runner = BatchRunner(target.model, target.device)
+    plain, split = runner.new_cache(), runner.new_cache()
+    split.keep_hidden = True
+    for n in (len(ids) - 3, len(ids)):  # a prefill, then a step of three tokens with logits for all three
+        assert torch.equal(plain.extend(ids[:n], n_logits=3), split.extend(ids[:n], n_logits=3))
+    assert split.hidden_start == len(ids) - 3 and split.hidden is not None and len(split.hidden) == 3
+
+
+def test_greedy_output_with_heads_is_target_only(tiny_engine, tiny_heads):
+    engine = heads_engine(tiny_engine, tiny_heads)
+    target = engine.target
+    accepted = 0
+    for ids in tiny_prompts(target, 6, seed=1):
+        plain, _ = collect(engine.stream(ids, GenerationConfig(32, speculate=False)))
+        spec, events = collect(engine.stream(ids, GenerationConfig(32)))
+        assert spec == plain
+        assert events[0].drafted == 0  # the first token comes from the prefill: no features before it
+        accepted += sum(e.accepted for e in events)
+    assert accepted > 0  # drafts were accepted, so the accept path ran
+
+
+def test_a_session_keeps_features_across_answers(tiny_engine, tiny_heads):
+    """A conversation's second answer prefills only what is new; the heads still draft from the cached part."""
+    engine = heads_engine(tiny_engine, tiny_heads)
+    target = engine.target
+    session = EngineSession(engine)
+    first = tiny_prompts(target, 1, seed=2)[0]
+    answer, _ = collect(engine.stream(first, GenerationConfig(16), session=session))
+    second = first + answer + target.tokenizer.encode(" and then")
+    plain, _ = collect(engine.stream(second, GenerationConfig(16, speculate=False)))
+    spec, events = collect(engine.stream(second, GenerationConfig(16), session=session))
+    assert spec == plain
+    assert sum(e.drafted for e in events) > 0
+
+
+@pytest.mark.parametrize("tiny_heads", ["eagle"], indirect=True)  # medusa keeps no cache
+def test_eagle_drafts_the_same_with_or_without_its_cache(tiny_engine, tiny_heads):
+    path, val = tiny_heads
+    target = tiny_engine.target
+    heads = read_heads(path)[0].to(target.device)  # as the engine holds them (specdec/build.py)
+    heads.attach(target.model.get_input_embeddings(), target.model.get_output_embeddings().weight)
+    s = val[0]
+    incremental = HeadsDrafter(heads)
+    greedy = SamplingParams()
+    for pos in range(s.answer_start + 1, len(s.tokens)):
+        held = len(incremental.tokens)
+        incremental.add_features(s.tokens[: pos - 1], held, s.features[held : pos - 1])
+        fresh = HeadsDrafter(heads)
+        fresh.add_features(s.tokens[: pos - 1], 0, s.features[: pos - 1])
+        ctx = s.tokens[:pos]
+        assert torch.equal(incremental.propose(ctx, 3, greedy, None).tokens, fresh.propose(ctx, 3, greedy, None).tokens)
+
+
+def test_heads_without_features_propose_nothing(tiny_engine, tiny_heads):
+    path, _ = tiny_heads
+    heads = load_heads(path, tiny_engine.target.model, tiny_engine.target.name)
+    proposal = HeadsDrafter(heads).propose([1, 2, 3], 4, SamplingParams(), None)
+    assert proposal.tokens.tolist() == [] and proposal.forwards == 0
+
+
+def test_a_failing_observe_keeps_the_answer(tiny_engine, tiny_heads, monkeypatch):
+    engine = heads_engine(tiny_engine, tiny_heads)
+    ids = tiny_prompts(engine.target, 1, seed=3)[0]
+    plain, _ = collect(engine.stream(ids, GenerationConfig(20, speculate=False)))
+    calls = []
+
+    def observe(self, event, target):
+        calls.append(target.hidden_start)
+        if len(calls) == 3:
+            raise RuntimeError("heads broke")
+        return real(self, event, target)
+
+    real = HeadsDrafter.observe
+    monkeypatch.setattr(HeadsDrafter, "observe", observe)
+    tokens, events = collect(engine.stream(ids, GenerationConfig(20)))
+    assert tokens == plain
+    assert any("drafter failed (RuntimeError: heads broke)" in e.note for e in events)
+
+
+def test_a_broken_heads_file_gets_a_clear_error(tiny_heads, tmp_path):
+    path, _ = tiny_heads
+    broken = tmp_path / "broken.safetensors"
+    broken.write_bytes(path.read_bytes()[: len(path.read_bytes()) // 2])
+    with pytest.raises(ValueError, match="is not a draft heads file"):
+        read_heads(broken)
+    with pytest.raises(FileNotFoundError, match="train them with `specvoice train-heads`"):
+        read_heads(tmp_path / "absent.safetensors")
+
+
+def test_heads_for_another_target_are_refused(tiny_engine, tiny_heads):
+    path, _ = tiny_heads
+    with pytest.raises(ValueError, match="trained for 'tiny-random-target', not 'other'"):
+        load_heads(path, tiny_engine.target.model, "other")
+
+
+def test_the_file_round_trips(tiny_heads, tmp_path):
+    path, _ = tiny_heads
+    heads, _ = read_heads(path)
+    again = tmp_path / "again.safetensors"
+    save_heads(heads, again, extra={"note": "x"})
+    copy, extra = read_heads(again)
+    assert copy.cfg == heads.cfg and torch.equal(copy.vocab_ids, heads.vocab_ids) and extra == {"note": "x"}
+    for name, tensor in heads.trained_state().items():
+        assert torch.equal(copy.trained_state()[name], tensor), name
+
+
+def test_switching_drafters_in_a_session(tiny_engine, tiny_heads):
+    engine = heads_engine(tiny_engine, tiny_heads)
+    target = engine.target
+    session = EngineSession(engine)
+    ids = tiny_prompts(target, 1, seed=4)[0]
+    plain, _ = collect(engine.stream(ids, GenerationConfig(16, speculate=False)))
+    for kind in ("ngram", "heads"):
+        session.use_drafter(kind)
+        assert collect(engine.stream(ids, GenerationConfig(16), session=session))[0] == plain
+    with pytest.raises(ValueError, match="no draft model loaded: start with --draft MODEL"):
+        session.use_drafter("draft-model")
+
+
+def test_training_resumes_where_it_stopped(tiny_engine, tiny_data, tmp_path):
+    """A run stopped after some steps and resumed from its checkpoint ends with the weights of an unbroken run."""
+    target = tiny_engine.cpu_target  # train-heads runs on the CPU
+    seqs = load_shards(tiny_data)
+    cfg = TrainConfig(kind="eagle", vocab=96, epochs=2, lr=3e-3, batch_sequences=8, checkpoint_every_s=0.0)
+    lm_weight = target.model.get_output_embeddings().weight
+
+    def fresh() -> DraftHeads:
+        torch.manual_seed(0)
+        heads = DraftHeads(heads_config("eagle", target.model.config, target.name), torch.arange(96))
+        heads.attach(target.model.get_input_embeddings(), lm_weight)
+        return heads
+
+    unbroken = fresh()
+    train_heads(unbroken, seqs[:40], seqs[40:], cfg, tmp_path / "a.ckpt", print)
+
+    def stop_at_5(step: int, total: int, info: dict) -> None:
+        if step == 5:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train_heads(fresh(), seqs[:40], seqs[40:], cfg, tmp_path / "b.ckpt", print, stop_at_5)
+    logged: list[str] = []
+    resumed = fresh()
+    train_heads(resumed, seqs[:40], seqs[40:], cfg, tmp_path / "b.ckpt", logged.append)
+    assert any("resumed from" in m and "at step 4/" in m for m in logged), logged
+    for name, tensor in unbroken.trained_state().items():
+        assert torch.allclose(resumed.trained_state()[name], tensor, atol=1e-6), name
+
+
+def test_replay_counts_acceptance_by_position(tiny_heads, tiny_engine):
+    path, val = tiny_heads
+    target = tiny_engine.cpu_target  # the replay is train-heads' report, on the CPU
+    heads = load_heads(path, target.model, target.name)
+    replay = simulated_acceptance(heads, val, k=3)
+    by_position = replay["acceptance_by_position"]
+    assert len(by_position) == 3 and by_position[0] >= by_position[1] >= by_position[2]
+    assert replay["tokens_per_target_forward"] == pytest.approx(1 + sum(by_position), rel=1e-9)
+
+
+def test_train_heads_command_writes_heads_and_resumes(tiny_engine, tmp_path, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": " ".join(WORDS[i : i + 4])}) + "\n" for i in range(12)))
+    out, work, report = tmp_path / "h.safetensors", tmp_path / "work", tmp_path / "r.json"
+    argv = ["train-heads", "--target", "tiny-random-target", "--target-quant", "none", "--dtype", "float32"]
+    argv += ["--prompts", str(prompts), "--max-new-tokens", "12", "--batch-size", "8", "--vocab", "64"]
+    argv += ["--epochs", "1", "--work", str(work), "--out", str(out), "--json", str(report), "--text-chars", "1200"]
+    assert cli.main(argv) == 0
+    data = json.loads(report.read_text())
+    assert data["kind"] == "medusa" and len(data["held_out_replay_k4"]["acceptance_by_position"]) == 4
+    heads = load_heads(out, tiny_engine.target.model, "tiny-random-target")
+    assert heads.cfg.kind == "medusa" and len(heads.vocab_ids) <= 64 + 1
+    shards = sorted((work / "data").glob("*.pt"))
+    assert [p.name for p in shards] == ["shard_0000.pt", "shard_0001.pt", "text_0000.pt"]  # 4 passages of 256
+    shard_times = [p.stat().st_mtime_ns for p in shards]
+    assert cli.main(argv) == 0  # again: the data and the finished training are reused
+    assert [p.stat().st_mtime_ns for p in sorted((work / "data").glob("*.pt"))] == shard_times
+    assert "resumed from" in capsys.readouterr().err
+    assert cli.main(argv[:-2] + ["--text-chars", "2400"]) == 2  # other text: not mixed into the old data
+    assert "holds data made from other inputs" in capsys.readouterr().err
+
+
+def test_shipped_heads_fit_the_default_target():
+    """The shipped file is what --draft heads loads by default: the right target, under the size budget."""
+    from specdec.build import EngineSpec
+    from specdec.heads_file import default_heads_path
+
+    path = default_heads_path(EngineSpec().target)
+    assert path.exists(), f"{path} is not in the checkout"
+    assert path.stat().st_size <= 50 * 2**20
+    heads, extra = read_heads(path)
+    assert heads.cfg.target == EngineSpec().target
+    assert extra["target_quant"] == EngineSpec().target_quant
+    assert dataclasses.asdict(heads.cfg)["kind"] in ("eagle", "medusa")
+
+
+def test_assets_are_found_beside_the_source_or_in_the_working_directory(tmp_path, monkeypatch):
+    """An installed package run from its source folder (the Docker image) finds assets/ in the working directory."""
+    from conftest import ROOT
+
+    from specdec.models import asset_path
+
+    (tmp_path / "assets" / "extra").mkdir(parents=True)
+    (tmp_path / "assets" / "extra" / "f.txt").write_text("x")
+    monkeypatch.chdir(tmp_path)
+    assert asset_path("extra", "f.txt") == tmp_path / "assets" / "extra" / "f.txt"
+    assert asset_path("heads", "qwen-1.5b.safetensors") == ROOT / "assets" / "heads" / "qwen-1.5b.safetensors"
+
+
+def test_bench_runs_drafters_side_by_side(tiny_engine, tiny_heads, tmp_path):
+    path, _ = tiny_heads
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"category": "a", "prompt": "hello"}\n{"category": "b", "prompt": "the cat sat"}\n')
+    out = tmp_path / "bench.json"
+    drafters = f"ngram,heads:{path}"
+    argv = ["bench", *tiny_engine.cli_args, "--prompts", str(prompts), "--max-new-tokens", "12", "--compare", "none"]
+    assert cli.main([*argv, "--draft-min-prob", "0", "--drafters", drafters, "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    names = [tiny_engine.spec.draft, "ngram", f"heads:{path}"]
+    assert list(data["summary"]["drafters"]) == names
+    for name in names:
+        s = data["summary"]["drafters"][name]
+        assert s["greedy_identical_fraction"] == 1.0 and s["speedup_median"] > 0 and "per_position_acceptance" in s
+        assert set(s["per_category"]) == {"a", "b"} and s["resident_bytes_added"] >= 0
+    for p in data["prompts"]:
+        assert p["speculative"] == p["drafters"][tiny_engine.spec.draft]
+    assert data["summary"]["drafters"]["ngram"]["resident_bytes_added"] == 0
+
+
+def test_calibrate_times_the_heads(tiny_engine, tiny_heads, tmp_path):
+    """The default drafter calibrates too: its proposals timed as a step meets them, after the target's features."""
+    path, _ = tiny_heads
+    out = tmp_path / "c.json"
+    argv = ["calibrate", *tiny_engine.cli_args, "--draft", "heads", "--heads", str(path), "--k-values", "2,6"]
+    assert cli.main([*argv, "--repeats", "1", "--max-new-tokens", "8", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["drafter_kind"] == "heads" and data["draft_cost_ratio"] > 0
+    cfg = read_heads(path)[0].cfg
+    most = 6 if cfg.kind == "eagle" else cfg.n_medusa  # medusa drafts one token per head
+    assert [row["drafted"] for row in data["per_k"]] == [2, most]
+    for row in data["per_k"]:
+        assert row["draft_s"] > 0 and row["predicted_speedup"] > 0 and row["measured_speedup"] > 0

@@ -1,0 +1,44 @@
+"""A speculative step reads the device once: acceptance runs on the device, gate decisions and draft tokens stay
+tensors, and the step's results come back in one read (what keeps a GPU busy between steps, as in gpt-fast)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.build import build_engine
+from specdec.engine import GenerationConfig
+from specdec.sampling import SamplingParams
+from tests.support.engine import heads_engine, tiny_prompts
+from tests.support.host_reads import counting_host_reads, reads_per_step
+
+
+def test_the_counter_sees_a_read():
+    with counting_host_reads() as counter:
+        torch.ones(3).sum().item()
+        int(torch.tensor(2))
+    assert counter["reads"] == 2
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.8)], ids=["greedy", "sampled"])
+def test_a_draft_model_step_reads_the_device_at_most_twice(tiny_engine, params):
+    engine, target = build_engine(tiny_engine.spec_with(k="4", draft_min_prob=0.3))  # gated, on the device
+    engine.auto_off = False
+    assert max(reads_per_step(engine, tiny_prompts(target, 1)[0], params)) <= 2
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.8)], ids=["greedy", "sampled"])
+def test_a_heads_step_reads_the_device_at_most_twice(tiny_engine, tiny_heads, params):
+    engine = heads_engine(tiny_engine, tiny_heads, k=4)
+    assert max(reads_per_step(engine, tiny_prompts(engine.target, 1)[0], params)) <= 2
+
+
+def test_a_batched_step_reads_the_device_at_most_twice(tiny_engine):
+    engine, target = build_engine(tiny_engine.spec_with(k="4"))
+    engine.auto_off = False
+    answers = [engine.new_answer(p, GenerationConfig(64)) for p in tiny_prompts(target, 3, seed=4)]
+    engine.step(answers)  # the prefills
+    with counting_host_reads() as counter:
+        events = engine.step(answers)
+    assert len(events) == 3 and all(ev.k_chosen == 4 for ev in events)
+    assert counter["reads"] <= 2

@@ -1,0 +1,144 @@
+"""Quantized target formats: close to the layer they replace, every row independent of the rows it is fed with
+(what keeps batched verification equal to one-by-one decoding), and speculation lossless against them."""
+
+import pytest
+import torch
+
+from specdec.build import build_engine
+from specdec.engine import GenerationConfig, collect
+from specdec.quant import (
+    TARGET_QUANTS,
+    Int4WeightLinear,
+    Int8RowLinear,
+    Int8RowLinearFbgemm,
+    Int8WeightLinear,
+    quantize_linears,
+    quantized_cache_path,
+)
+from tests.support.engine import cpu_only
+
+LAYERS = {"int8": Int8WeightLinear, "w8a8": Int8RowLinear, "w8a8-fbgemm": Int8RowLinearFbgemm, "int4": Int4WeightLinear}
+QUANTS = [q for q in TARGET_QUANTS if q != "none"]
+KERNELS = list(LAYERS)  # both w8a8 kernels: the engine picks one by the CPU (quant.w8a8_layer)
+
+
+def _linear(dtype: torch.dtype, bias: bool = True) -> torch.nn.Linear:
+    torch.manual_seed(0)
+    return torch.nn.Linear(256, 96, bias=bias).to(dtype)
+
+
+@pytest.mark.parametrize("quant", KERNELS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_linear_is_close_to_the_original(quant, dtype):
+    linear = _linear(dtype)
+    x = torch.randn(7, 256).to(dtype)
+    want = linear(x).detach().float()
+    got = LAYERS[quant](linear)(x)
+    assert got.dtype == dtype and got.shape == want.shape
+    # int4 in groups of 32 keeps ~5% relative error on random weights, int8 well under 2%
+    limit = 0.1 if quant == "int4" else 0.02
+    assert float((got.float() - want).norm() / want.norm()) < limit
+
+
+@pytest.mark.parametrize("quant", KERNELS)
+def test_a_rows_output_does_not_depend_on_the_other_rows(quant):
+    layer = LAYERS[quant](_linear(torch.bfloat16))
+    x = torch.randn(17, 256).bfloat16()
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(len(x))])
+    for rows in (2, 5, 9, 17):
+        assert torch.equal(layer(x[:rows]), alone[:rows]), rows
+    # 3-D input (batch, sequence, features), as the model feeds it
+    assert torch.equal(layer(x[None, :5]), alone[None, :5])
+
+
+@pytest.mark.parametrize("layer_type", [Int8RowLinear, Int8RowLinearFbgemm])
+def test_w8a8_row_scale_is_per_row(layer_type):
+    """The property that per-tensor dynamic int8 lacks: one large row does not coarsen another row's steps."""
+    layer = layer_type(_linear(torch.float32, bias=False))
+    x = torch.randn(2, 256)
+    big = x.clone()
+    big[1] *= 1000
+    assert torch.equal(layer(x)[0], layer(big)[0])
+
+
+def test_unknown_format_is_refused(tiny_engine):
+    with pytest.raises(ValueError, match="--target-quant"):
+        quantize_linears(tiny_engine.target.model, "fp8")
+
+
+@cpu_only
+@pytest.mark.parametrize("quant", QUANTS)
+def test_speculation_is_lossless_against_the_quantized_target(tiny_engine, quant):
+    engine, target = build_engine(tiny_engine.spec_with(target_quant=quant, k="4"))
+    engine.auto_off = False
+    assert not any(type(m) is torch.nn.Linear for m in target.model.model.layers.modules())  # really quantized
+    for text in ["hello there", "tell me a story about a cat", "a b a b a b a b"]:
+        ids = target.tokenizer.chat_ids([{"role": "user", "content": text}])
+        base, _ = collect(engine.stream(ids, GenerationConfig(40, speculate=False)))
+        spec, _ = collect(engine.stream(ids, GenerationConfig(40)))
+        assert spec == base, text
+
+
+@cpu_only
+@pytest.mark.parametrize("quant", QUANTS)
+def test_a_verified_token_gets_the_logits_it_gets_decoded_alone(tiny_engine, quant):
+    """Bit for bit: with the quantized target and row attention, a forward over several new tokens gives each the
+    logits that feeding it alone gives (what makes greedy speculation equal target-only, not merely close)."""
+    engine, _ = build_engine(tiny_engine.spec_with(target_quant=quant, draft="none"))
+    tokens = list(range(40, 70))
+    batched = engine.runner.new_cache()
+    batched.extend(tokens[:20])
+    together = batched.extend(tokens, n_logits=10)
+    alone = engine.runner.new_cache()
+    alone.extend(tokens[:20])
+    one_by_one = torch.cat([alone.extend(tokens[: 21 + i])[-1:] for i in range(10)])
+    assert torch.equal(together, one_by_one)
+
+
+def test_smoothing_keeps_the_float_function_and_evens_out_channels():
+    """SmoothQuant moves range from down_proj's input channels into its weights: the float model computes the same
+    logits, and the input's channel peaks come closer together (what per-token int8 needs)."""
+    from specdec.models import build_tiny_random
+    from specdec.quant import smooth_mlp_inputs
+
+    model = build_tiny_random(None)
+    ids = torch.tensor([list(range(30, 90))])
+    peaks = []
+    hook = model.model.layers[0].mlp.down_proj.register_forward_pre_hook(
+        lambda m, args: peaks.append(args[0].abs().reshape(-1, args[0].shape[-1]).amax(0))
+    )
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+        smooth_mlp_inputs(model, ids)
+        after = model(input_ids=ids).logits
+    hook.remove()
+    torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
+    spread = [float(p.max() / p.mean()) for p in peaks]
+    assert spread[-1] < spread[0]  # peaks: before, during calibration (unchanged), after
+
+
+@cpu_only
+@pytest.mark.parametrize("quant", ["w8a8-fbgemm", "w8a8-onednn"])
+def test_w8a8_read_from_its_cache_is_the_model_quantized_afresh(tiny_engine, tmp_path, quant):
+    """The app's warm start reads the target's int8 weights from a file: the model must be the very same."""
+    import copy
+
+    cache = tmp_path / "target.safetensors"
+    calibration = torch.arange(3, 40)[None]
+    ids = torch.tensor([[5, 9, 2, 7, 1, 3, 8]])
+    logits = []
+    for use_cache in (False, True, True):  # afresh without a file; afresh writing it; read from it
+        model = copy.deepcopy(tiny_engine.target.model)
+        quantize_linears(model, quant, calibration, cache if use_cache else None)
+        with torch.inference_mode():
+            logits.append(model(input_ids=ids).logits)
+    assert cache.exists()
+    assert torch.equal(logits[0], logits[1]) and torch.equal(logits[1], logits[2])
+    smoothed_differently = copy.deepcopy(tiny_engine.target.model)
+    quantize_linears(smoothed_differently, quant, None, tmp_path / "other.safetensors")
+    with torch.inference_mode():
+        assert not torch.equal(smoothed_differently(input_ids=ids).logits, logits[2])  # the comparison can fail
+
+
+def test_only_a_large_model_gets_a_quantized_cache_file(tiny_engine):
+    assert quantized_cache_path(tiny_engine.target.model, "w8a8", "tiny") is None

@@ -1,0 +1,400 @@
+"""Continuous batching on the tiny fp32 models: the batch runner against transformers, every answer in a batch equal
+to the same answer alone, joining and leaving between steps, cancel and failures, and the load-aware K choice."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from specdec.cost_grid import ForwardCosts, cached_forward_costs, measure_forward_costs
+from specdec.drafters import DraftModelDrafter
+from specdec.engine import EngineSession, GenerationConfig, StepEvent, collect
+from specdec.kv import PENDING
+from specdec.metrics import expected_tokens_per_step
+from specdec.runner import BatchRunner, Feed
+from specdec.sampling import SamplingParams
+from specdec.scheduler import BackgroundLoad, BatchScheduler, LoadEstimate, choose_ks
+from tests.support.engine import draft_factory, heads_engine, make_engine, target_only, tiny_prompts
+
+
+def batched_engine(target, drafter_factory, k="3", **kw):
+    return make_engine(target, drafter_factory, k, **kw)
+
+
+def run_together(scheduler, prompts, configs, sessions=None):
+    """Stream every prompt at once through the scheduler, one reader thread each; tokens and events per prompt."""
+    results: list = [None] * len(prompts)
+    start = threading.Barrier(len(prompts))
+
+    def read(i):
+        start.wait()
+        session = sessions[i] if sessions else None
+        results[i] = collect(scheduler.stream(prompts[i], configs[i], session=session))
+
+    threads = [threading.Thread(target=read, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return results
+
+
+def test_runner_logits_match_transformers(tiny_engine):
+    target = tiny_engine.target
+    runner = BatchRunner(target.model, target.device)
+    a, b, c = tiny_prompts(target, 3, seed=5)
+    caches = [runner.new_cache() for _ in range(3)]
+
+    def reference(ids, n):  # transformers' own forward over the whole sequence
+        with torch.inference_mode():
+            return target.model(input_ids=torch.tensor([ids], device=target.device)).logits[0, -n:]
+
+    feeds = [(a, 3), (b, 1), (c + [7, 8], 2)]
+    got = runner.extend([Feed(cache, ids, n) for cache, (ids, n) in zip(caches, feeds)])
+    for out, (ids, n) in zip(got, feeds):
+        assert out.shape == (n, target.model.config.vocab_size)
+        torch.testing.assert_close(out, reference(ids, n), rtol=1e-4, atol=1e-4)
+    # the next step: one sequence rolls back drafts, one decodes, one verifies three (fed from the device)
+    feeds = [(a[:-2] + [9], 1), (b + [4], 1), (c + [7, 5, 6, 1], 4)]
+    got = runner.extend(
+        [
+            Feed(caches[0], feeds[0][0]),
+            Feed(caches[1], feeds[1][0]),
+            Feed(caches[2], c + [7], 4, torch.tensor([5, 6, 1], device=target.device)),
+        ]
+    )
+    for out, (ids, n) in zip(got, feeds):
+        torch.testing.assert_close(out, reference(ids, n), rtol=1e-4, atol=1e-4)
+    assert caches[0].tokens == feeds[0][0] and caches[2].tokens == c + [7, PENDING, PENDING, PENDING]
+
+
+def test_runner_keeps_the_last_hidden_states_of_what_it_fed(tiny_engine):
+    target = tiny_engine.target
+    runner = BatchRunner(target.model, target.device)
+    a, b = tiny_prompts(target, 2, seed=6)
+    mine, other = runner.new_cache(), runner.new_cache()
+    mine.keep_hidden = True
+    runner.extend([Feed(other, b), Feed(mine, a)])
+    with torch.inference_mode():
+        ids = torch.tensor([a], device=target.device)
+        ref = target.model(input_ids=ids, output_hidden_states=True).hidden_states[-1][0]
+    assert mine.hidden_start == 0
+    torch.testing.assert_close(mine.hidden, ref, rtol=1e-4, atol=1e-4)
+    assert other.hidden is None
+
+
+def test_runner_grows_its_cache_and_resets_after_a_failed_forward(tiny_engine):
+    target = tiny_engine.target
+    runner = BatchRunner(target.model, target.device)
+    long = tiny_prompts(target, 1, seed=7)[0] * 40  # past the first allocation
+    cache = runner.new_cache()
+    for n in range(300, len(long), 97):
+        cache.extend(long[:n])
+    assert len(cache.tokens) == len(long[:n]) and cache.capacity >= n
+
+    def out_of_memory(*args):
+        raise RuntimeError("out of memory")
+
+    # The second layer fails, after the first wrote its cache. (Not an id past the vocabulary: on a GPU that is a
+    # device-side assert, which leaves CUDA unusable for the rest of the run.)
+    runner.parts[1] = (out_of_memory, runner.parts[1][1])
+    with pytest.raises(RuntimeError, match="out of memory"):
+        runner.extend([Feed(cache, long + [10])])
+    assert cache.tokens == []
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_every_answer_in_a_batch_equals_the_answer_alone(tiny_engine, sampled):
+    target, draft = tiny_engine.models
+    prompts = tiny_prompts(target, 4, seed=8)
+    params = SamplingParams(temperature=0.8) if sampled else SamplingParams()
+    configs = [GenerationConfig(30 + 7 * i, params, seed=i, speculate=i != 1) for i in range(4)]
+    alone_engine = batched_engine(target, draft_factory(draft))
+    alone = [collect(alone_engine.stream(p, c))[0] for p, c in zip(prompts, configs)]
+    scheduler = BatchScheduler(batched_engine(target, draft_factory(draft)))
+    together = run_together(scheduler, prompts, configs)
+    assert [tokens for tokens, _ in together] == alone
+    if not sampled:
+        assert alone[0] == target_only(target, prompts[0], 30)
+    sizes = {ev.batch_size for _, events in together for ev in events}
+    assert max(sizes) == 4 and min(sizes) == 1  # the answers really shared forwards, and left at their own ends
+    assert any(ev.accepted for _, events in together for ev in events)
+
+
+def test_heads_drafters_in_a_batch_read_their_own_hidden_states(tiny_engine, tiny_heads):
+    engine = heads_engine(tiny_engine, tiny_heads)
+    target = engine.target
+    prompts = tiny_prompts(target, 3, seed=9)
+    configs = [GenerationConfig(24)] * 3
+    expected = [target_only(target, p, 24) for p in prompts]
+    results = run_together(BatchScheduler(engine), prompts, configs)
+    assert [tokens for tokens, _ in results] == expected
+    assert any(ev.accepted for _, events in results for ev in events)
+
+
+def test_answers_join_and_leave_between_steps_and_sessions_carry_over(tiny_engine):
+    target, draft = tiny_engine.models
+    engine = batched_engine(target, draft_factory(draft))
+    scheduler = BatchScheduler(engine)
+    first, second = tiny_prompts(target, 2, seed=10)
+    session = EngineSession(engine)
+    long_reader = scheduler.stream(first, GenerationConfig(60), session=session)
+    head = [next(long_reader) for _ in range(3)]  # the first answer is running alone
+    joined = collect(scheduler.stream(second, GenerationConfig(12)))  # joins, finishes, leaves
+    rest = collect(long_reader)
+    tokens = [t for ev in head for t in ev.tokens] + rest[0]
+    assert tokens == target_only(target, first, 60)
+    assert joined[0] == target_only(target, second, 12)
+    assert max(ev.batch_size for ev in joined[1]) == 2
+    # the session kept its KV: the next turn of that conversation prefills only what is new
+    follow = first + tokens + tiny_prompts(target, 1, seed=11)[0]
+    assert session.target.common_prefix(follow) == len(first) + len(tokens) - 1  # the last token was never fed
+    assert collect(scheduler.stream(follow, GenerationConfig(10), session=session))[0] == target_only(
+        target, follow, 10
+    )
+
+
+def test_cancel_and_an_abandoned_reader_leave_the_batch(tiny_engine):
+    target, draft = tiny_engine.models
+    scheduler = BatchScheduler(batched_engine(target, draft_factory(draft)))
+    a, b, c = tiny_prompts(target, 3, seed=12)
+    cancel = threading.Event()
+    cancelled = scheduler.stream(a, GenerationConfig(200), cancel)
+    abandoned = scheduler.stream(b, GenerationConfig(200))
+    next(cancelled), next(abandoned)
+    cancel.set()
+    events = list(cancelled)
+    assert events[-1].finish_reason == "cancelled" and sum(len(ev.tokens) for ev in events) < 200
+    abandoned.close()  # a client that went away
+    tokens, events = collect(scheduler.stream(c, GenerationConfig(15)))
+    assert tokens == target_only(target, c, 15)
+    assert events[-1].batch_size == 1 and scheduler.active == 0
+
+
+class Broken(DraftModelDrafter):
+    def __init__(self, *args, fail_after: int = 2) -> None:
+        super().__init__(*args)
+        self.calls, self.fail_after = 0, fail_after
+
+    def propose(self, *args, **kw):
+        self.calls += 1
+        if self.calls > self.fail_after:
+            raise RuntimeError("draft server went away")
+        return super().propose(*args, **kw)
+
+
+def test_a_failing_drafter_costs_only_its_own_answer_nothing(tiny_engine):
+    target, draft = tiny_engine.models
+    runner = BatchRunner(draft.model, draft.device)
+    engine = batched_engine(target, lambda: Broken(runner))
+    prompts = tiny_prompts(target, 2, seed=13)
+    results = run_together(BatchScheduler(engine), prompts, [GenerationConfig(30)] * 2)
+    assert [tokens for tokens, _ in results] == [target_only(target, p, 30) for p in prompts]
+    assert all(any("drafter failed" in ev.note for ev in events) for _, events in results)
+
+
+def test_a_bad_prompt_fails_in_the_caller_and_the_scheduler_goes_on(tiny_engine):
+    target, draft = tiny_engine.models
+    scheduler = BatchScheduler(batched_engine(target, draft_factory(draft)))
+    with pytest.raises(ValueError, match="empty prompt"):
+        scheduler.stream([], GenerationConfig(5))
+    prompt = tiny_prompts(target, 1, seed=14)[0]
+    assert collect(scheduler.stream(prompt, GenerationConfig(5)))[0] == target_only(target, prompt, 5)
+
+
+def test_speculation_is_disabled_by_batch_size_with_vllm_meaning(tiny_engine):
+    target, draft = tiny_engine.models
+    engine = batched_engine(target, draft_factory(draft), disable_by_batch_size=2)
+    prompts = tiny_prompts(target, 3, seed=15)
+    lengths = [8, 30, 30]  # three at first, two once the first has finished
+    results = run_together(BatchScheduler(engine), prompts, [GenerationConfig(n) for n in lengths])
+    events = [ev for _, evs in results for ev in evs]
+    assert all(ev.k_chosen == 0 for ev in events if ev.batch_size > 2)
+    assert any(ev.k_chosen > 0 for ev in events if ev.batch_size <= 2)
+    assert any("--speculative-disable-by-batch-size 2" in ev.note for ev in events)
+    assert [tokens for tokens, _ in results] == [target_only(target, p, n) for p, n in zip(prompts, lengths)]
+
+
+# ---------------------------------------------------------------------------------------------- load-aware K
+
+
+def by_rows(rows: list[int], seconds: list[float]) -> ForwardCosts:
+    """Costs that depend on the tokens fed only (one batch row of the grid)."""
+    return ForwardCosts([1], rows, [seconds])
+
+
+def test_forward_costs_interpolate_in_tokens_and_batch_size():
+    costs = by_rows([1, 4, 8], [0.1, 0.1, 0.3])
+    assert costs(1, 1) == costs(3, 3) == 0.1 and costs(1, 6) == pytest.approx(0.2)
+    assert costs(1, 12) == pytest.approx(0.5)
+    grid = ForwardCosts([1, 4], [1, 2], [[0.1, 0.12], [0.2, 0.3]])  # 4 sequences: 4 or 8 tokens
+    assert grid(1, 2) == pytest.approx(0.12) and grid(4, 4) == pytest.approx(0.2) and grid(4, 6) == pytest.approx(0.25)
+    assert grid(2, 2) == pytest.approx((2 * 0.12 + 0.2) / 3)  # a third of the way from batch 1 to batch 4
+    # beyond the largest batch: 8 tokens cost 0.24 at batch 1 (extended in tokens) and 0.3 at batch 4, so batch 8
+    # adds 4/3 of that difference
+    assert grid(8, 8) == pytest.approx(0.3 + (0.3 - 0.24) * 4 / 3)
+
+
+def test_measured_forward_costs_cover_the_grid_and_never_fall_with_more_tokens(tiny_engine):
+    target, _ = tiny_engine.models
+    costs = measure_forward_costs(batched_engine(target, None), batches=(1, 3), per_sequence=(1, 4), trials=1)
+    assert costs.batches == [1, 3] and costs.per_sequence == [1, 4]
+    assert all(row[0] <= row[1] and row[0] > 0 for row in costs.seconds)
+    assert all(s <= m for row, measured in zip(costs.seconds, costs.measured) for s, m in zip(row, measured))
+
+
+def test_the_grid_is_measured_once_per_machine_model_and_format(tiny_engine, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECVOICE_CACHE", str(tmp_path))
+    target, draft = tiny_engine.models
+    engine = batched_engine(target, None)
+    measured = []
+    real = measure_forward_costs
+
+    def counting(engine, trials=1):
+        measured.append(engine.runner)
+        return real(engine, batches=(1, 2), per_sequence=(1, 2), trials=trials)
+
+    monkeypatch.setattr("specdec.cost_grid.measure_forward_costs", counting)
+    first, cached = cached_forward_costs(engine)
+    again, cached_again = cached_forward_costs(engine)
+    assert (cached, cached_again) == (False, True) and again == first and len(measured) == 1
+    padded = make_engine(target, None, min_feed=2)  # another way of feeding the same model: another grid
+    assert cached_forward_costs(padded)[1] is False and len(measured) == 2
+    for path in (tmp_path / "forward-costs").iterdir():
+        path.write_text("{torn")  # a torn file is measured again, not a crash
+    assert cached_forward_costs(engine)[1] is False and len(measured) == 3
+
+
+def test_choose_ks_drafts_while_the_forward_is_memory_bound_and_stops_past_the_ridge():
+    ridge = by_rows([1, 8, 16], [0.1, 0.1, 0.2])  # flat to 8 tokens, then 12.5 ms a token
+    good = LoadEstimate.geometric(0.8, draft_s=0.001)
+    assert choose_ks([1], [4], [good], ridge) == [4]
+    assert choose_ks([1, 1], [4, 4], [good, good], ridge) == [3, 3]  # 8 tokens: the top of the flat part
+    assert choose_ks([1] * 16, [4] * 16, [good] * 16, ridge) == [0] * 16  # compute-bound: drafts only cost
+    # a sequence whose drafts are rarely accepted gets none while one that drafts well does
+    poor = LoadEstimate.geometric(0.05, draft_s=0.001)
+    sloped = by_rows([1, 16], [0.1, 0.25])  # every token fed costs 10 ms
+    poor_ks, good_ks = choose_ks([1, 1], [4, 4], [poor, good], sloped)
+    assert poor_ks == 0 and good_ks >= 3
+    # an expensive drafter (a draft model per sequence) drafts less than a cheap one
+    costly = LoadEstimate.geometric(0.6, 0.05)
+    assert sum(choose_ks([1], [6], [costly], ridge)) < sum(choose_ks([1], [6], [good], ridge))
+    assert choose_ks([1, 1], [0, 4], [good, good], ridge)[0] == 0  # never above what the answer's policy wants
+
+
+def test_a_gated_drafter_is_asked_only_for_the_drafts_it_proposes():
+    """The shipped heads stop at their confidence gate: asked for 4, they propose one draft, accepted half the time.
+    Measured per position, asking for more than one brings nothing but drafting time, so the choice stops at one."""
+    gated = LoadEstimate.geometric(0.9, draft_s=0.002)
+    for i in range(40):
+        step = StepEvent(step=i, tokens=[1], from_draft=[], speculative=True, k_chosen=4, draft_tokens=[7])
+        step.draft_seconds = 0.008
+        step.accepted = i % 2
+        gated.observe(step)
+    assert gated.proposed[0] > 0.95 and gated.proposed[1] < 0.05 and 0.3 < gated.accepted[0] < 0.7
+    assert gated.tokens(4) == pytest.approx(gated.tokens(1), abs=0.05)
+    flat = by_rows([1, 16], [0.1, 0.1])  # drafts ride free on the forward: only the drafting time counts
+    assert choose_ks([1], [4], [gated], flat) == [1]
+    assert choose_ks([1], [4], [LoadEstimate.geometric(0.9, draft_s=0.002)], flat) == [4]
+
+
+def test_choose_ks_picks_the_best_rate_found_by_search():
+    costs = by_rows([1, 4, 8, 16, 32], [0.10, 0.11, 0.14, 0.22, 0.40])
+    estimates = [LoadEstimate.geometric(a, 0.004) for a in (0.3, 0.6, 0.9)]
+    fed, wanted = [1, 1, 1], [4, 4, 4]
+
+    def rate(ks):
+        tokens = sum(expected_tokens_per_step(e.accepted[0], k) for e, k in zip(estimates, ks))  # geometric: α^i
+        return tokens / (costs(3, sum(fed) + sum(ks)) + sum(k * e.draft_s for e, k in zip(estimates, ks)))
+
+    every = [(a, b, c) for a in range(5) for b in range(5) for c in range(5)]
+    best = max(rate(list(ks)) for ks in every)
+    assert rate(choose_ks(fed, wanted, estimates, costs)) >= 0.98 * best
+
+
+def test_load_aware_scheduler_stays_lossless_and_reports_its_ks(tiny_engine):
+    target, draft = tiny_engine.models
+    costs = by_rows([1, 4, 8], [0.01, 0.01, 0.05])
+    scheduler = BatchScheduler(batched_engine(target, draft_factory(draft), "4"), costs)
+    prompts = tiny_prompts(target, 4, seed=16)
+    lengths = [10, 15, 20, 45]
+    results = run_together(scheduler, prompts, [GenerationConfig(n) for n in lengths])
+    assert [tokens for tokens, _ in results] == [target_only(target, p, n) for p, n in zip(prompts, lengths)]
+    events = [ev for _, evs in results for ev in evs]
+    assert all(ev.k_chosen <= 4 for ev in events)
+    assert any(ev.k_chosen > 0 for ev in events if ev.batch_size == 1)
+    assert any(ev.k_chosen == 0 for ev in events if ev.batch_size == 4)  # past the ridge: plain steps
+
+
+def test_an_answer_may_opt_out_of_the_load_aware_k(tiny_engine):
+    """Drafting never pays under these costs: the load-aware answer gets K = 0, the one that opted out its own K,
+    and both stay lossless."""
+    target, draft = tiny_engine.models
+    steep = by_rows([1, 2], [0.01, 1.0])
+    scheduler = BatchScheduler(batched_engine(target, draft_factory(draft), "3"), steep)
+    prompts = tiny_prompts(target, 2, seed=19)
+    configs = [GenerationConfig(20, load_aware=True), GenerationConfig(20, load_aware=False)]
+    sessions = [EngineSession(scheduler.engine) for _ in prompts]
+    for session, prompt in zip(sessions, prompts):  # no step carries a prefill, next to which drafts look cheap
+        session.prefill(prompt[:-1])
+    (aware, aware_events), (own, own_events) = run_together(scheduler, prompts, configs, sessions)
+    assert all(ev.k_chosen == 0 for ev in aware_events)
+    assert any(ev.k_chosen == 3 for ev in own_events)
+    assert [aware, own] == [target_only(target, p, 20) for p in prompts]
+
+
+def test_background_load_runs_and_stops(tiny_engine):
+    target, draft = tiny_engine.models
+    scheduler = BatchScheduler(batched_engine(target, draft_factory(draft)))
+    errors: list[Exception] = []
+    seen: list[int] = []
+    load = BackgroundLoad(
+        scheduler,
+        tiny_prompts(target, 2, seed=17),
+        GenerationConfig(8),
+        on_event=lambda i, ev, t: seen.append(i),
+        on_error=errors.append,
+    )
+    load.set(2)
+    prompt = tiny_prompts(target, 1, seed=18)[0]
+    tokens, events = collect(scheduler.stream(prompt, GenerationConfig(30)))
+    assert tokens == target_only(target, prompt, 30)
+    assert max(ev.batch_size for ev in events) == 3
+    load.set(0)
+    for _ in range(200):
+        if scheduler.active == 0:
+            break
+        threading.Event().wait(0.05)
+    assert scheduler.active == 0 and load.count == 0 and not errors and set(seen) == {0, 1}
+    with pytest.raises(ValueError):
+        load.set(-1)
+
+
+def test_an_unexpected_failure_ends_the_answers_in_the_step_not_the_scheduler(tiny_engine):
+    target, draft = tiny_engine.models
+
+    class Broken(ForwardCosts):
+        def __call__(self, batch, rows):
+            raise RuntimeError("cost table corrupted")
+
+    scheduler = BatchScheduler(batched_engine(target, draft_factory(draft)), Broken([1], [1], [[0.1]]))
+    prompt = tiny_prompts(target, 1, seed=20)[0]
+    with pytest.raises(RuntimeError, match="corrupted"):
+        collect(scheduler.stream(prompt, GenerationConfig(5)))
+    scheduler.costs = None
+    assert collect(scheduler.stream(prompt, GenerationConfig(5)))[0] == target_only(target, prompt, 5)
+
+
+def test_the_scheduler_thread_ends_when_idle_and_starts_again(tiny_engine):
+    target, draft = tiny_engine.models
+    scheduler = BatchScheduler(batched_engine(target, draft_factory(draft)))
+    prompt = tiny_prompts(target, 1, seed=21)[0]
+    for _ in range(2):
+        assert collect(scheduler.stream(prompt, GenerationConfig(5)))[0] == target_only(target, prompt, 5)
+        for _ in range(200):  # no idle thread is left behind per scheduler (bench-load makes one per window)
+            if scheduler._thread is None:
+                break
+            threading.Event().wait(0.01)
+        assert scheduler._thread is None

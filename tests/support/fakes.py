@@ -1,0 +1,47 @@
+"""Stand-ins for the LLM and TTS stages: scripted, instant, and recording what they were given."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from pipeline.llm import LLMDelta
+
+
+class ScriptedLLM:
+    """Speaks a fixed answer word by word, one 'step' every `step_s` seconds, half the words from 'drafts'."""
+
+    name = "scripted"
+
+    def __init__(self, answer: str, step_s: float = 0.01) -> None:
+        self.words = answer.split(" ")
+        self.step_s = step_s
+        self.seen_messages: list[list[dict]] = []
+
+    def stream_reply(self, messages, speculation, stats, cancel=None):
+        self.seen_messages.append(messages)
+        for i, word in enumerate(self.words):
+            if cancel is not None and cancel.is_set():
+                return
+            time.sleep(self.step_s)
+            now = time.perf_counter()
+            stats.add(1, now)
+            yield LLMDelta((" " if i else "") + word, 1, [bool(i % 2)], 1, i % 2, now)
+
+
+class FakeTTS:
+    name, sample_rate = "fake", 16000
+
+    def __init__(self, chunk_s: float = 0.005) -> None:
+        self.chunk_s = chunk_s
+        self.spoken: list[str] = []
+
+    def stream(self, text):
+        self.spoken.append(text)
+        for _ in range(3):
+            time.sleep(self.chunk_s)
+            yield np.full(160, 0.1, np.float32)
+
+    def warmup(self):
+        pass
