@@ -1,202 +1,35 @@
-"""`specvoice casestudy`: the latency model applied to the reference story, as a table, plots, JSON and a Gradio tab.
-
-Defaults are the story calibrated by casestudy.latency_model (efficiency solved from 28 tokens/s, α read from
-vLLM's 74% draft acceptance rate, first-chunk tokens solved from the 700 ms pause); every option overrides
-one input and everything downstream is recomputed.
+"""The case study on the page: its tab (build_tab; the page calls it), and the figures that the tab and
+`specvoice casestudy` draw, in the page's stage colours.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
-from dataclasses import asdict, replace
-from pathlib import Path
+from dataclasses import replace
 
 import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
+from casestudy.inputs import DEFAULT_CONCURRENCY, check_scenario, with_inputs
 from casestudy.latency_model import (
-    DECODE_STAGE,
     Evaluation,
     Scenario,
-    batch_sweep,
     breakeven_concurrency,
-    calibrated_scenario,
     evaluate,
-    explain_story,
     fits_in_memory,
     memory_needed_gb,
     recommended_k,
     speedup_at,
 )
+from casestudy.story import calibrated_scenario
 from pipeline.timeline import STAGES
-from specdec.metrics import alpha_from_acceptance_rate
 
 from .report import STAGE_COLORS
 
-DEFAULT_CONCURRENCY = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 K_VALUES = range(1, 9)
 ALPHA_GRID = np.linspace(0.30, 0.98, 69)
 
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    acc = parser.add_mutually_exclusive_group()
-    acc.add_argument("--alpha", type=float, help="per-token acceptance probability α (Leviathan et al.)")
-    acc.add_argument(
-        "--acceptance-rate",
-        type=float,
-        help="draft acceptance rate as vLLM reports it (accepted ÷ proposed); converted to α at --k",
-    )
-    parser.add_argument("--k", type=int, help="draft tokens per step, 0 = speculation off (story: 4)")
-    parser.add_argument(
-        "--c",
-        type=float,
-        help="draft cost ratio c = draft forward ÷ target forward (default: from the roofline of draft vs target)",
-    )
-    parser.add_argument("--params-b", type=float, help="target parameters, billions (story: 70.6)")
-    parser.add_argument("--draft-params-b", type=float, help="draft parameters, billions (story: 8.03)")
-    parser.add_argument("--bytes-per-param", type=float, help="weight bytes per parameter (fp16: 2, int8: 1)")
-    parser.add_argument("--gpu-bandwidth-tbs", type=float, help="HBM bandwidth per GPU, TB/s (A100: 2.0)")
-    parser.add_argument("--gpu-tflops", type=float, help="dense fp16 TFLOP/s per GPU (A100: 312)")
-    parser.add_argument("--gpus", type=int, help="tensor-parallel GPU count (story: 4)")
-    parser.add_argument(
-        "--efficiency",
-        type=float,
-        help="fraction of peak reached (default: solved so the story's baseline is 28 tokens/s)",
-    )
-    parser.add_argument(
-        "--first-chunk-tokens", type=float, help="tokens before TTS can speak (default: solved from the story's 700 ms)"
-    )
-    parser.add_argument("--prompt-tokens", type=int, help="prompt tokens prefilled per turn")
-    parser.add_argument("--context-tokens", type=int, help="tokens in each sequence's KV cache")
-    parser.add_argument("--end-of-turn-ms", type=float, help="silence hangover before the turn ends")
-    parser.add_argument("--asr-ms", type=float, help="ASR time after the end of turn")
-    parser.add_argument("--tts-ms", type=float, help="TTS time to its first audio chunk")
-    parser.add_argument("--concurrency", type=int, default=1, help="sequences per batch for the headline numbers")
-    parser.add_argument(
-        "--concurrency-sweep",
-        type=int,
-        nargs="+",
-        default=list(DEFAULT_CONCURRENCY),
-        help="concurrencies for the batch table and plot",
-    )
-    parser.add_argument("--out", type=Path, default=Path("casestudy_out"), help="folder for the PNG plots")
-    parser.add_argument("--json", type=Path, help="write the numbers as JSON to this file")
-    parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
-
-
-def _pick(value, default):
-    return default if value is None else value
-
-
-def with_inputs(
-    base: Scenario,
-    *,
-    alpha: float | None = None,
-    k: int | None = None,
-    c: float | None = None,
-    params_b: float | None = None,
-    draft_params_b: float | None = None,
-    bytes_per_param: float | None = None,
-    bandwidth_tbs: float | None = None,
-    tflops: float | None = None,
-    gpus: int | None = None,
-    efficiency: float | None = None,
-    first_chunk_tokens: float | None = None,
-    prompt_tokens: int | None = None,
-    context_tokens: int | None = None,
-    end_of_turn_ms: float | None = None,
-    asr_ms: float | None = None,
-    tts_ms: float | None = None,
-    concurrency: int | None = None,
-) -> Scenario:
-    """`base` with each given input replaced (None keeps it); the CLI and the tab both go through here."""
-    target = replace(
-        base.target,
-        params_b=_pick(params_b, base.target.params_b),
-        bytes_per_param=_pick(bytes_per_param, base.target.bytes_per_param),
-    )
-    draft = replace(
-        base.draft, params_b=_pick(draft_params_b, base.draft.params_b), bytes_per_param=target.bytes_per_param
-    )
-    hw = replace(
-        base.hw,
-        bandwidth_tbs=_pick(bandwidth_tbs, base.hw.bandwidth_tbs),
-        tflops=_pick(tflops, base.hw.tflops),
-        n_gpus=_pick(gpus, base.hw.n_gpus),
-        efficiency=_pick(efficiency, base.hw.efficiency),
-    )
-    st = base.stages
-    stages = replace(
-        st,
-        first_chunk_tokens=_pick(first_chunk_tokens, st.first_chunk_tokens),
-        prompt_tokens=_pick(prompt_tokens, st.prompt_tokens),
-        end_of_turn_ms=_pick(end_of_turn_ms, st.end_of_turn_ms),
-        asr_ms=_pick(asr_ms, st.asr_ms),
-        tts_first_chunk_ms=_pick(tts_ms, st.tts_first_chunk_ms),
-    )
-    return replace(
-        base,
-        alpha=_pick(alpha, base.alpha),
-        k=_pick(k, base.k),
-        c=_pick(c, base.c),
-        target=target,
-        draft=draft,
-        hw=hw,
-        stages=stages,
-        context_tokens=_pick(context_tokens, base.context_tokens),
-        concurrency=_pick(concurrency, base.concurrency),
-    )
-
-
-def scenario_from_args(args: argparse.Namespace) -> Scenario:
-    """The calibrated story with each given option replacing one input."""
-    base = calibrated_scenario()
-    k = _pick(args.k, base.k)
-    alpha = args.alpha
-    if alpha is None and args.acceptance_rate is not None:
-        alpha = alpha_from_acceptance_rate(args.acceptance_rate, k)
-    return with_inputs(
-        base,
-        alpha=alpha,
-        k=k,
-        c=args.c,
-        params_b=args.params_b,
-        draft_params_b=args.draft_params_b,
-        bytes_per_param=args.bytes_per_param,
-        bandwidth_tbs=args.gpu_bandwidth_tbs,
-        tflops=args.gpu_tflops,
-        gpus=args.gpus,
-        efficiency=args.efficiency,
-        first_chunk_tokens=args.first_chunk_tokens,
-        prompt_tokens=args.prompt_tokens,
-        context_tokens=args.context_tokens,
-        end_of_turn_ms=args.end_of_turn_ms,
-        asr_ms=args.asr_ms,
-        tts_ms=args.tts_ms,
-        concurrency=args.concurrency,
-    )
-
-
-def check_scenario(s: Scenario) -> str | None:
-    """A reason the inputs make no sense, or None."""
-    problems = [
-        (not 0 < s.alpha <= 1, f"α must be in (0, 1], got {s.alpha}"),
-        (s.k < 0, f"K must be ≥ 0, got {s.k}"),
-        (s.c is not None and s.c < 0, f"c must be ≥ 0, got {s.c}"),
-        (
-            min(s.target.params_b, s.draft.params_b, s.hw.bandwidth_tbs, s.hw.tflops, s.hw.efficiency) <= 0,
-            "model sizes, bandwidth, TFLOP/s and efficiency must be positive",
-        ),
-        (s.hw.n_gpus < 1 or s.concurrency < 1, "GPU count and concurrency must be ≥ 1"),
-        (s.stages.first_chunk_tokens < 0 or s.stages.prompt_tokens < 1, "token counts must be positive"),
-    ]
-    return next((msg for bad, msg in problems if bad), None)
-
-
-# ------------------------------------------------------------------------------------------------ plots
+# ------------------------------------------------------------------------------------------------ figures
 
 
 def _k_colors(n: int = len(K_VALUES)) -> list:
@@ -285,104 +118,7 @@ def tab_figure(s: Scenario) -> Figure:
     return fig
 
 
-# ---------------------------------------------------------------------------------------------- numbers
-
-
-def report(s: Scenario, concurrencies: list[int]) -> dict:
-    ev = evaluate(s)
-    story = explain_story()
-    implied = story.as_dict()
-    implied.pop("story")
-    return {
-        "baseline_tokens_per_s": ev.baseline_tokens_per_s,
-        "speculative_tokens_per_s": ev.speculative_tokens_per_s,
-        "speedup": ev.speedup,
-        "baseline_ttfa_ms": ev.baseline_ttfa_ms,
-        "speculative_ttfa_ms": ev.speculative_ttfa_ms,
-        "ttfa_floor_ms": ev.ttfa_floor_ms,
-        "stages": {"baseline": ev.baseline_stages, "speculative": ev.speculative_stages},
-        "inputs": {
-            "alpha": s.alpha,
-            "k": s.k,
-            "c": ev.c,
-            "c_given": s.c is not None,
-            "v": ev.v,
-            "tokens_per_step": ev.tokens_per_step,
-            "concurrency": s.concurrency,
-            "target": asdict(s.target),
-            "draft": asdict(s.draft),
-            "hardware": asdict(s.hw),
-            "stages": asdict(s.stages),
-            "context_tokens": s.context_tokens,
-            "memory_needed_gb": memory_needed_gb(s),
-            "fits_in_memory": fits_in_memory(s),
-        },
-        "implied": implied,  # about the reference story itself, whatever the overrides
-        "batch": batch_sweep(s, concurrencies),
-        "breakeven_concurrency": breakeven_concurrency(s),
-    }
-
-
-def format_report(rep: dict) -> str:
-    inp = rep["inputs"]
-    lines = [
-        f"Inputs: α = {inp['alpha']:.3f}, K = {inp['k']}, c = {inp['c']:.3f}"
-        f"{'' if inp['c_given'] else ' (roofline)'}, v = {inp['v']:.3f}, E = {inp['tokens_per_step']:.2f}, "
-        f"{inp['target']['params_b']:g}B target on {inp['hardware']['n_gpus']}× {inp['hardware']['bandwidth_tbs']:g} "
-        f"TB/s at {inp['hardware']['efficiency']:.0%} efficiency, concurrency {inp['concurrency']}",
-        "",
-        f"{'stage (ms)':<22}{'target alone':>14}{'speculative':>14}",
-    ]
-    for name in STAGES:
-        lines.append(f"{name:<22}{rep['stages']['baseline'][name]:>14.1f}{rep['stages']['speculative'][name]:>14.1f}")
-    lines += [
-        f"{'TTFA':<22}{rep['baseline_ttfa_ms']:>14.1f}{rep['speculative_ttfa_ms']:>14.1f}",
-        f"{'tokens/s':<22}{rep['baseline_tokens_per_s']:>14.1f}{rep['speculative_tokens_per_s']:>14.1f}"
-        f"   ({rep['speedup']:.2f}×)",
-        f"floor (every stage but {DECODE_STAGE}): {rep['ttfa_floor_ms']:.0f} ms",
-        "",
-        f"{'concurrency':>11}{'target tok/s':>14}{'spec tok/s':>12}{'speedup':>9}{'best K':>8}",
-    ]
-    for r in rep["batch"]:
-        fits = "" if r["fits_in_memory"] else "  (KV caches exceed GPU memory)"
-        lines.append(
-            f"{r['concurrency']:>11}{r['baseline_tokens_per_s']:>14.1f}{r['speculative_tokens_per_s']:>12.1f}"
-            f"{r['speedup']:>8.2f}×{r['recommended_k']:>8}{fits}"
-        )
-    lines += [
-        f"speculation at K = {inp['k']} stops paying at concurrency {rep['breakeven_concurrency']}",
-        "",
-        "What the story's figures imply:",
-    ]
-    lines += [f"- {sentence}" for sentence in rep["implied"]["sentences"]]
-    return "\n".join(lines)
-
-
-def main(args: argparse.Namespace) -> int:
-    s = scenario_from_args(args)
-    problem = check_scenario(s)
-    if problem:
-        print(f"specvoice casestudy: {problem}", file=sys.stderr)
-        return 2
-    concurrencies = sorted(set(args.concurrency_sweep))
-    rep = report(s, concurrencies)
-    print(format_report(rep))
-    if not args.no_plots:
-        args.out.mkdir(parents=True, exist_ok=True)
-        for name, fig in (
-            ("speed_vs_alpha.png", alpha_figure(s)),
-            ("speedup_vs_concurrency.png", concurrency_figure(s, concurrencies)),
-        ):
-            fig.savefig(args.out / name, dpi=110)
-            print(f"wrote {args.out / name}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(rep, indent=2))
-        print(f"wrote {args.json}")
-    return 0
-
-
-# ------------------------------------------------------------------------------------------------ Gradio
+# ------------------------------------------------------------------------------------------------ the tab
 
 
 def tab_outputs(

@@ -59,17 +59,28 @@ def page_module() -> str:
     )
 
 
+def _int16(samples: np.ndarray) -> bytes:
+    """Float samples as Int16 LE, clipped to ±1 and rounded, as the page's capture worklet writes them."""
+    return np.round(np.clip(np.asarray(samples, np.float32), -1.0, 1.0) * 32767).astype("<i2").tobytes()
+
+
 def pack_audio(samples: np.ndarray, turn: int, seq: int, rate: int, server_ms: float, flags: int = 0) -> bytes:
-    pcm = np.round(np.clip(np.asarray(samples, np.float32), -1.0, 1.0) * 32767).astype("<i2")
-    return AUDIO_HEADER.pack(AUDIO_MAGIC, turn, seq, rate, flags, server_ms) + pcm.tobytes()
+    return AUDIO_HEADER.pack(AUDIO_MAGIC, turn, seq, rate, flags, server_ms) + _int16(samples)
 
 
 def unpack_audio(data: bytes) -> tuple[dict, np.ndarray]:
-    header = dict(zip(AUDIO_HEADER_FIELDS, AUDIO_HEADER.unpack_from(data)))
-    if header.pop("magic") != AUDIO_MAGIC:
+    """An audio packet → its header (without the magic) and its samples as float32; ValueError for anything else."""
+    if len(data) < AUDIO_HEADER.size or not data.startswith(AUDIO_MAGIC) or (len(data) - AUDIO_HEADER.size) % 2:
         raise ValueError("not an audio packet")
+    header = dict(zip(AUDIO_HEADER_FIELDS, AUDIO_HEADER.unpack_from(data)))
+    del header["magic"]
     pcm = np.frombuffer(data, "<i2", offset=AUDIO_HEADER.size).astype(np.float32) / 32767
     return header, pcm
+
+
+def encode_mic_frame(samples: np.ndarray) -> bytes:
+    """A mic frame as the page sends it: 16 kHz mono float samples (at most MAX_MIC_FRAME_SAMPLES) → Int16 LE."""
+    return _int16(samples)
 
 
 def decode_mic_frame(data: bytes) -> np.ndarray:

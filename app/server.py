@@ -3,38 +3,55 @@
 Gradio builds the page (app/page.py); the voice itself does not go through Gradio. Its streamed gr.Audio starts
 playing 1.2-3 s after the first chunk (HLS), which would hide the very latency this app measures, so microphone and
 answer audio travel as raw PCM over one WebSocket per tab (app/protocol.py) and play through AudioWorklets
-(app/static/). Live panel updates ride the same socket as JSON. This module serves it all: the routes, the shared
-model loading, and one ClientSession (app/session.py) per open socket.
+(app/static/). Live panel updates ride the same socket as JSON. This module serves it all: the routes (behind
+app/guard.py's checks), the shared model loading (app/loader.py), and one ClientSession (app/session.py) per socket.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import threading
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
 from starlette.responses import Response
 from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from pipeline.agent import AgentConfig, VoiceAgent, make_transcriber
-from pipeline.options import add_agent_arguments, agent_config_from_args
+from pipeline.agent import AgentConfig, VoiceAgent
+from pipeline.options import add_agent_arguments, agent_config_from_args, positive_int
 from pipeline.timeline import STAGES
-from pipeline.tts import make_tts
 
 from . import page, protocol
-from .session import EXPORTS, AnswerSlots, ClientSession
+from .background import LoadControl, simulated_users
+from .guard import AllowedList, Guard, header_timeout_protocol, host_name, web_origin
+from .host import AnswerSlots
+from .loader import ModelLoader
+from .outbox import CLOSE_SLOW_READER
+from .session import EXPORTS, ClientSession
 
 log = logging.getLogger("specvoice.app")
 
 STATIC_PATH = "/specvoice/static"
 EXPORT_PATH = "/specvoice/export"
-LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "::1"})
+CLOSE_WAIT_S = 2.0  # how long a slow reader's close may wait for it to read
+# What the page fetches, found by recording a Chromium session (the Voice tab, then a Case study slider): our own
+# routes, and Gradio's page, assets and event queue. Every other Gradio route (uploads, files, the API) is closed.
+OPEN_PATHS = (
+    "/specvoice/*",
+    "/",
+    "/config",
+    "/theme.css",
+    "/favicon.ico",
+    "/assets/*",
+    "/static/*",
+    "/gradio_api/queue/join",
+    "/gradio_api/queue/data",
+    "/gradio_api/heartbeat/*",
+)
 
 
 @dataclass
@@ -44,12 +61,21 @@ class ServerOptions:
     max_concurrent_answers: int = 4  # the in-process engine batches them (specdec/scheduler.py)
     max_turn_s: float = 30.0  # a voice turn is cut here: caps what one user can make the ASR chew on
     max_text_chars: int = 1000
+    max_text_tokens: int = 300  # of the LLM's: what one typed turn may make it read
+    max_outbox_bytes: int = 16 * 2**20  # unsent output per tab (~80 s of 96 kHz audio); over it, the tab is closed
     max_message_bytes: int = 256 * 1024  # per WebSocket message; a 32 ms mic frame is 1 KiB
     max_ab_repeats: int = 10
     kept_audio_turns: int = 20  # answers whose audio stays replayable, per tab
     max_background: int = 16  # the load control's top: simulated conversations beside the real ones
     background_conversations: int = 0  # started once the models are ready
     allowed_origins: tuple[str, ...] = ()  # pages served elsewhere (a proxy) that may open the socket too
+    allowed_hosts: tuple[str, ...] = ()  # Host names beside the default ones (a proxy that rewrites Host)
+    max_sessions: int = 64  # open WebSockets over all clients
+    max_sessions_per_client: int = 8  # open WebSockets from one address
+    header_timeout_s: float = 10.0  # a connection's request line and headers must be in by then
+
+    def allowed(self) -> AllowedList:
+        return AllowedList.for_server(self.host, self.port, self.allowed_origins, self.allowed_hosts)
 
 
 class RevalidatedStaticFiles(StaticFiles):
@@ -60,205 +86,6 @@ class RevalidatedStaticFiles(StaticFiles):
         response = super().file_response(*args, **kwargs)
         response.headers["Cache-Control"] = "no-cache"
         return response
-
-
-DEFAULT_PORTS = {"http": 80, "https": 443}
-
-
-def origin_key(origin: str) -> tuple[str, str, int] | None:
-    """(scheme, host, port) of one http(s) origin, scheme://host[:port]; None for anything else: "null", a path,
-    credentials or a wildcard (an origin names exactly one site, so no pattern can widen the check)."""
-    try:
-        o = urlsplit(origin)
-        port = o.port if o.port is not None else DEFAULT_PORTS.get(o.scheme)
-    except ValueError:  # a malformed port
-        return None
-    if o.scheme not in DEFAULT_PORTS or not o.hostname or port is None or "*" in o.netloc:
-        return None
-    if o.username is not None or o.path or o.query or o.fragment:
-        return None
-    return o.scheme, o.hostname, port
-
-
-def web_origin(value: str) -> str:
-    """argparse type of --allowed-origin: one exact origin."""
-    if origin_key(value) is None:
-        raise argparse.ArgumentTypeError(
-            f"{value!r} is not an origin: give scheme://host[:port] as the browser's address bar shows it, "
-            "e.g. https://gpu.example.com:8443 (no path, no wildcard)"
-        )
-    return value
-
-
-def origin_allowed(
-    origin: str | None, host_header: str | None, bind_host: str, port: int, allowed: Iterable[str] = ()
-) -> bool:
-    """Guard against cross-site WebSocket hijacking: only pages this app served may open its socket.
-
-    The Origin must name the same host:port the browser connected to (the Host header), on our port; and when we
-    listen on loopback, that host must be a loopback name, so a DNS-rebinding name pointing at 127.0.0.1 fails too.
-    Or it is one of `allowed` (--allowed-origin): behind a reverse proxy or a remapped port (docker -p 8080:7860)
-    the page comes from another host:port than ours, and the proxy may rewrite Host, so only the user can name it.
-    """
-    o = origin_key(origin) if origin else None
-    if o is None:
-        return False
-    if o in {origin_key(a) for a in allowed}:
-        return True
-    if not host_header:
-        return False
-    h = urlsplit(f"//{host_header}")
-    try:
-        h_port = h.port
-    except ValueError:  # a malformed port
-        return False
-    _, o_host, o_port = o
-    if (o_host, o_port) != (h.hostname, h_port) or h_port != port:
-        return False
-    if bind_host in ("0.0.0.0", "::", ""):
-        return True  # listening everywhere: any name may reach us, but the page must come from that name
-    allowed_hosts = {bind_host.strip("[]").lower()} | (LOOPBACK_NAMES if bind_host in LOOPBACK_NAMES else set())
-    return o_host in allowed_hosts
-
-
-# ------------------------------------------------------------------------------------------- models
-
-
-class ModelLoader:
-    """Loads the agent on a background thread so the page is up (and says how far loading got) at once, then warms
-    every stage: the app is ready only when its first turn is as fast as later ones."""
-
-    LOAD_STEPS = ("speech recognition", "text to speech", "language models")
-    STEPS = LOAD_STEPS + tuple(f"warm-up: {step}" for step in VoiceAgent.WARMUP_STEPS)
-
-    def __init__(
-        self,
-        config: AgentConfig,
-        on_change: Callable[[dict], None] = lambda status: None,
-        build: Callable[[Callable[[int], None]], VoiceAgent] | None = None,
-    ) -> None:
-        self.config = config
-        self.on_change = on_change
-        self._build = build or self._build_agent
-        self.agent: VoiceAgent | None = None
-        self.error: str | None = None
-        self.finished = threading.Event()  # loading is over: ready, or failed
-        self.step = -1
-        self.step_s: list[tuple[str, float]] = []  # the steps done and their seconds
-        self.t0 = self._step_t0 = time.perf_counter()
-        self.load_s: float | None = None
-
-    def start(self) -> None:
-        self.t0 = self._step_t0 = time.perf_counter()
-        threading.Thread(target=self._run, name="model-loader", daemon=True).start()
-
-    def _end_step(self) -> None:
-        now = time.perf_counter()
-        if self.step >= 0:
-            self.step_s.append((self.STEPS[self.step], now - self._step_t0))
-        self._step_t0 = now
-
-    def _advance(self, step: int) -> None:
-        self._end_step()
-        self.step = step
-        log.info("loading %s (%.1f s elapsed)", self.stage(), self._step_t0 - self.t0)
-        self.on_change(self.status())
-
-    def _build_agent(self, progress: Callable[[int], None]) -> VoiceAgent:
-        progress(0)
-        transcriber = make_transcriber(self.config)
-        progress(1)
-        tts = make_tts(self.config.tts)
-        progress(2)
-        return VoiceAgent(self.config, transcriber=transcriber, tts=tts)
-
-    def _run(self) -> None:
-        try:
-            agent = self._build(self._advance)
-            agent.warmup(lambda step: self._advance(len(self.LOAD_STEPS) + step))
-            self.agent = agent
-        except Exception as e:  # shown on the page; the server stays up to say so
-            log.exception("loading the models failed")
-            self.error = f"{type(e).__name__}: {e}"
-        self._end_step()
-        self.load_s = time.perf_counter() - self.t0
-        if self.agent is not None:
-            log.info("models loaded and warmed up in %.1f s: ready", self.load_s)
-        self.finished.set()
-        self.on_change(self.status())
-
-    @property
-    def ready(self) -> bool:
-        return self.agent is not None
-
-    @property
-    def loading(self) -> bool:
-        return not self.finished.is_set()
-
-    def failed_message(self) -> str:
-        return f"The models failed to load ({self.error}); nothing can be answered. Restart the app."
-
-    def stage(self) -> str:
-        if self.step < 0:
-            return "starting"
-        return f"step {self.step + 1}/{len(self.STEPS)}: {self.STEPS[self.step]}"
-
-    def status(self) -> dict:
-        status = {
-            "type": "status",
-            "ready": self.ready,
-            "error": self.error,
-            "stage": self.stage(),
-            "step": self.step,
-            "steps": len(self.STEPS),
-            "step_s": list(self.step_s),
-            "elapsed_s": time.perf_counter() - self.t0,
-            "load_s": self.load_s,
-        }
-        if self.agent is not None:
-            background = self.agent.background
-            status.update(
-                batched=self.agent.scheduler is not None,
-                background=background.count if background else 0,
-                drafters=self.agent.engine.switchable_drafters() if self.agent.engine else [],
-                k=self.config.engine.k,
-                temperature=self.config.temperature,
-                engine=self.describe(),
-                forward_costs=self.forward_costs(),
-            )
-        return status
-
-    def forward_costs(self) -> dict | None:
-        """The forward-cost grid measured at warm-up, for the page's verify-cost curve and predicted speedup: the
-        batch-1 forward in ms by tokens fed (n = 1 + K for every K an answer may draft, interpolated between the
-        measured sizes as the load-aware K reads them), and the whole grid. None without one (a remote LLM, or the
-        load-aware K off)."""
-        scheduler = self.agent.scheduler if self.agent else None
-        if scheduler is None or scheduler.costs is None:
-            return None
-        e = self.config.engine
-        k_most = max(*page.K_CHOICES, e.k_max, int(e.k) if e.k.isdigit() else 0)
-        return {
-            "batch1_ms": [1000 * scheduler.costs(1, n) for n in range(1, k_most + 2)],
-            "grid": scheduler.costs.as_dict(),
-        }
-
-    def describe(self) -> dict:
-        """The configuration in words, for the page. Its defaults are the measured fastest (docs/results.md)."""
-        c, e = self.config, self.config.engine
-        target = f"{e.target} {e.dtype if e.target_quant == 'none' else e.target_quant}"
-        draft = e.draft if e.draft in ("none", "ngram") else f"{e.draft} {e.draft_quant}"
-        window = f"{c.asr_window_s:g} s window" if c.asr_window_s else "30 s window"
-        return {
-            "llm": c.llm_url or f"{target} + {draft} ({e.device})",
-            "asr": f"{c.asr_model}, beam {c.asr_beam_size}, {window}",
-            "tts": c.tts,
-            "k": e.k,
-            "end_of_turn": c.turn_end.describe(),
-            "preemptive": c.preemptive,
-            "prefill_while_speaking": c.prefill_while_speaking,
-            "first_chunk_words": c.first_chunk_words,
-        }
 
 
 # ------------------------------------------------------------------------------------------- the app
@@ -276,71 +103,92 @@ class AppServer:
         self.options = options or ServerOptions()
         self.slots = AnswerSlots(self.options.max_concurrent_answers)
         self.sessions: dict[str, ClientSession] = {}
-        self._start_background = self.options.background_conversations > 0
+        self.background: LoadControl | None = None  # made once the models are up
+        self._background_lock = threading.Lock()
         self.loader = ModelLoader(config, self._loading_changed, build)
 
-    def set_background(self, n: int) -> None:
-        """The load control: n simulated conversations, told to every tab."""
+    # ---- the host of each session (app/host.py)
+
+    def count_tokens(self, text: str) -> int | None:
         agent = self.loader.agent
         if agent is None:
+            return None
+        if agent.llm.engine is None:  # a remote LLM: its tokenizer is not here
+            return -(-len(text) // 4)
+        return len(agent.llm.engine.target.tokenizer.encode(text))
+
+    def set_background(self, n: int, owner: str) -> None:
+        """The load control: the tab named owner asks for n simulated conversations until it asks again or closes;
+        the server runs the most any open tab asked for, at least --background-conversations. Every tab is told."""
+        if self.loader.agent is None:
             raise ValueError("the models are still loading")
         if not 0 <= n <= self.options.max_background:
             raise ValueError(f"background conversations must be 0..{self.options.max_background}, got {n}")
-        agent.set_background(n)
+        self._load_control().set(n, owner)
         self._loading_changed(self.loader.status())
 
+    def release_background(self, owner: str) -> None:
+        """The tab named owner closed: the load it asked for ends with it."""
+        if self.background is not None and self.background.release(owner):
+            self._loading_changed(self.loader.status())
+
+    def _load_control(self) -> LoadControl:
+        """The background load, made on first use once the models are up (ValueError without a batching engine)."""
+        agent = self.loader.agent
+        assert agent is not None  # callers check: only a loaded agent has an LLM to load
+        with self._background_lock:
+            if self.background is None:
+                self.background = LoadControl(simulated_users(agent.llm), self.options.background_conversations)
+            return self.background
+
+    def status(self) -> dict:
+        """The loader's status, and once the models are up, how many background conversations run."""
+        return self._with_background(self.loader.status())
+
+    def _with_background(self, status: dict) -> dict:
+        if status.get("ready"):
+            status["background"] = self.background.count if self.background is not None else 0
+        return status
+
     def _loading_changed(self, status: dict) -> None:
-        if status.get("ready") and self._start_background:
-            self._start_background = False
-            self.set_background(self.options.background_conversations)  # tells the tabs itself
-            return
+        if status.get("ready") and self.background is None and self.options.background_conversations:
+            try:
+                self._load_control()  # the server's floor starts with the models
+            except ValueError as e:
+                log.warning("--background-conversations ignored: %s", e)
+        self._with_background(status)
         for session in list(self.sessions.values()):
             session.send(status)
             if not self.loader.loading:
                 session.loading_finished()
 
     async def websocket(self, ws: WebSocket) -> None:
-        opts = self.options
-        if not origin_allowed(
-            ws.headers.get("origin"), ws.headers.get("host"), opts.host, opts.port, opts.allowed_origins
-        ):
-            await ws.close(code=1008)  # before accept(): the handshake is refused with HTTP 403
-            return
-        await ws.accept()
+        await ws.accept()  # Origin, Host and the session caps are checked before: app/guard.py
         session = ClientSession(self, asyncio.get_running_loop())
-        self.sessions[session.token] = session
+        token = session.token
+        self.sessions[token] = session
         if not self.loader.loading:  # else _loading_changed will, for this session is listed already
             session.loading_finished()
-        tasks = [asyncio.create_task(session.pump(ws)), asyncio.create_task(session.pinger())]
         session.send(
             {
                 "type": "hello",
-                "token": session.token,
-                "export": f"{EXPORT_PATH}/{session.token}",
+                "token": token,
+                "export": f"{EXPORT_PATH}/{token}",
                 "stages": list(STAGES),
                 "max_concurrent_answers": self.slots.limit,
                 "max_background": self.options.max_background,
             }
         )
-        session.send(self.loader.status())
+        session.send(self.status())
         try:
-            while True:
-                msg = await ws.receive()
-                if msg["type"] == "websocket.disconnect":
-                    break
-                now = time.perf_counter()
-                if msg.get("bytes") is not None:
-                    session.on_audio(msg["bytes"], now)
-                elif msg.get("text") is not None:
-                    session.on_message(msg["text"], now)
-        except (WebSocketDisconnect, RuntimeError):
-            pass  # the tab closed mid-message: nothing to report
+            refusal = await session.run(ws)
         finally:
             session.close()
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            self.sessions.pop(session.token, None)
+            self.sessions.pop(token, None)
+        del session  # nothing else holds it: freed now, not after the close below
+        if refusal is not None:  # the tab stopped reading: say why, but do not wait long on a peer that reads nothing
+            with contextlib.suppress(asyncio.TimeoutError, WebSocketDisconnect, RuntimeError):
+                await asyncio.wait_for(ws.close(CLOSE_SLOW_READER, refusal), CLOSE_WAIT_S)
 
     def build_app(self):
         import gradio as gr
@@ -360,7 +208,7 @@ class AppServer:
 
         @api.get("/specvoice/status")
         def status() -> dict:
-            return {**self.loader.status(), "sessions": len(self.sessions)}
+            return {**self.status(), "sessions": len(self.sessions)}
 
         protocol_js = protocol.page_module()
 
@@ -387,6 +235,14 @@ class AppServer:
             max_file_size=self.options.max_message_bytes,
             show_error=True,
         )
+        opts = self.options
+        api.add_middleware(
+            Guard,
+            allowed=opts.allowed(),
+            open_paths=OPEN_PATHS,
+            max_sessions=opts.max_sessions,
+            max_sessions_per_client=opts.max_sessions_per_client,
+        )
         return api
 
     def uvicorn_config(self, app):
@@ -399,6 +255,7 @@ class AppServer:
             log_level="warning",
             ws_max_size=self.options.max_message_bytes,
             timeout_graceful_shutdown=2,
+            http=header_timeout_protocol(self.options.header_timeout_s),
         )
 
 
@@ -418,6 +275,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="ORIGIN",
         help="also accept the page from this exact origin, e.g. https://gpu.example.com:8443 behind a reverse proxy "
         "or http://localhost:8080 for docker -p 8080:7860 (repeatable; default: only the app's own host:port)",
+    )
+    parser.add_argument(
+        "--allowed-host",
+        dest="allowed_hosts",
+        action="append",
+        type=host_name,
+        default=[],
+        metavar="HOST",
+        help="also answer requests whose Host header is this name[:port] (any port without one), for a reverse proxy "
+        "that rewrites Host, e.g. specvoice:7860 (repeatable; default: loopback names, and IP addresses when "
+        "listening on 0.0.0.0, on the app's port, and the host:port of each --allowed-origin)",
+    )
+    parser.add_argument(
+        "--max-sessions", type=positive_int, default=d.max_sessions, help="open tabs (WebSockets) over all clients"
+    )
+    parser.add_argument(
+        "--max-sessions-per-client",
+        type=positive_int,
+        default=d.max_sessions_per_client,
+        help="open tabs (WebSockets) from one client address (behind a proxy, from X-Forwarded-For)",
     )
     parser.add_argument(
         "--max-concurrent-answers",
@@ -443,6 +320,9 @@ def server_setup(args: argparse.Namespace) -> tuple[AgentConfig, ServerOptions]:
     options = ServerOptions(args.host, args.port, limit, args.max_turn_s)
     options.background_conversations = args.background_conversations
     options.allowed_origins = tuple(args.allowed_origins)
+    options.allowed_hosts = tuple(args.allowed_hosts)
+    options.max_sessions = args.max_sessions
+    options.max_sessions_per_client = args.max_sessions_per_client
     return config, options
 
 
@@ -453,6 +333,7 @@ def main(args: argparse.Namespace) -> int:
     log.setLevel(logging.INFO)
     server = AppServer(*server_setup(args))
     app = server.build_app()
+    log.info("%s", server.options.allowed().describe())
     log.info("loading models in the background; open http://%s:%d", _url_host(args.host), args.port)
     server.loader.start()
     serving = uvicorn.Server(server.uvicorn_config(app))

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from app.background import BackgroundLoad
 from casestudy.latency_model import Hardware, ModelSpec, Scenario, breakeven_concurrency, evaluate
 from pipeline.llm import SYSTEM_PROMPT
 from pipeline.options import add_engine_arguments, positive_int, spec_from_args
@@ -24,7 +25,7 @@ from specdec.engine import GenerationConfig, SpeculativeEngine, StepEvent
 from specdec.kpolicy import FixedK
 from specdec.metrics import DEFINITIONS, alpha_from_acceptance_rate
 from specdec.models import estimate_bytes
-from specdec.scheduler import BackgroundLoad, BatchScheduler
+from specdec.scheduler import BatchScheduler
 
 MODES = ("off", "k4", "load_aware")
 FIXED_K = 4

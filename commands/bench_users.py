@@ -1,8 +1,9 @@
 """`specvoice bench-users`: many users at once. Starts the app in this process and, for each N in --clients, has
-N WebSocket clients speak a recorded question each at the same moment, as the page's microphone would (Int16 frames
-in real time), then counts per N: turns answered, 'busy' refusals (past --max-concurrent-answers), turns lost (no
-answer and no refusal), mixed turns (a client heard as, or answered for, another client's question), server errors,
-and TTFA as each turn's server timeline reports it (its 'done' message's ttfa_ms).
+N WebSocket clients (commands/voice_client.py) speak a recorded question each at the same moment, as the page's
+microphone would (Int16 frames in real time), then counts per N: turns answered, 'busy' refusals (past
+--max-concurrent-answers), turns lost (no answer and no refusal), silent turns (answered, but no answer audio reached
+the client), mixed turns (a client heard as, or answered for, another client's question), server errors, and TTFA as
+each turn's server timeline reports it (its 'done' message's ttfa_ms).
 
 A warm-up pass first sends each question alone: the server is warm before anything is measured, and the transcript
 each question gets then is what the mixed check compares with (beside transcripts.json's text, where there is one).
@@ -17,95 +18,34 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import threading
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
-from websockets.exceptions import ConnectionClosed
-from websockets.sync.client import ClientConnection, connect
+from websockets.sync.client import connect
 
 from app import server as app_server
-from app.protocol import MIC_FRAME_SAMPLES, WS_PATH
-from pipeline.audio import SAMPLE_RATE, load_audio, to_mono_16k
-from pipeline.wer import word_edits
+from pipeline.audio import load_audio, to_mono_16k
+from pipeline.wer import word_error_rate
 from specdec.metrics import DEFINITIONS
 from specdec.models import asset_path
 
 from .bench_heard import free_port, serving
+from .voice_client import ClientTurn, OnAdmitted, Utterance, recv_until, run_group, ws_url
 
-LEAD_S = 0.5  # silence before the question, as a user draws breath: the hands-free gate's pre-roll sees it
 TAIL_MARGIN_S = 0.7  # silence after the VAD hang-over, so the end of turn is decided while the mic still sends
-READY_TIMEOUT_S = 60.0
 DEFINITIONS_USERS = {
     "turns_sent": "clients that spoke their question (one turn each)",
     "turns_answered": "turns whose answer finished ('done')",
     "busy": "turns refused with the 'busy' message: no answer slot free (--max-concurrent-answers)",
     "lost": "turns with neither an answer nor a 'busy' refusal (timeout, dropped connection, nothing heard)",
-    "mixed": "turns whose transcript is nearer another client's question (word edits) than the client's own, or "
-    "whose answer was generated for another transcript than the one the client was told it said",
+    "silent": "answered turns whose client received no answer audio (its turn's audio packets before 'done')",
+    "mixed": "turns whose transcript is nearer another client's question (word error rate) than the client's own, "
+    "or whose answer was generated for another transcript than the one the client was told it said",
     "server_errors": "'error' messages and connections the server dropped, over every client of the run",
     "ttfa_ms": DEFINITIONS["ttfa_ms"] + "; p50/p95 over the answered turns (linear interpolation)",
 }
-
-# on_admitted(n): every client of a group that started speaking together was admitted or refused; n were admitted
-OnAdmitted = Callable[[int], None]
-
-
-@dataclass
-class Utterance:
-    name: str
-    audio: np.ndarray  # 16 kHz mono float32
-    text: str | None = None  # what is said, where the assets say (transcripts.json)
-    heard: str | None = None  # its transcript when sent alone (the warm-up pass)
-
-    def references(self) -> list[str]:
-        return [r for r in (self.heard, self.text) if r]
-
-
-@dataclass
-class ClientTurn:
-    """One client's turn as the client saw it."""
-
-    client: int
-    utterance: str
-    outcome: str = "lost"  # answered, busy, lost, left (disconnected mid-answer on purpose)
-    admitted: bool = False  # the server started answering (its 'turn' message)
-    transcript: str | None = None  # what the server heard (its 'transcript' message)
-    answered_for: str | None = None  # the transcript the answer was generated for (the 'done' data)
-    ttfa_ms: float | None = None
-    errors: list[str] = field(default_factory=list)
-    note: str | None = None  # why a turn was lost
-    mixed: bool = False
-
-
-def recv_until(ws: ClientConnection, want: Callable[[dict], bool], timeout: float = 30) -> tuple[dict, list]:
-    """Read a websockets sync client until a JSON message satisfies want; returns it and everything read."""
-    seen: list = []
-    deadline = time.monotonic() + timeout
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError(f"no matching message; saw {[m if isinstance(m, dict) else len(m) for m in seen]}")
-        raw = ws.recv(timeout=left)
-        msg = json.loads(raw) if isinstance(raw, str) else raw
-        seen.append(msg)
-        if isinstance(msg, dict):
-            if msg.get("type") == "ping":  # keep the clock estimate fed, like the page does
-                ws.send(json.dumps({"type": "pong", "ts": msg["ts"], "tc": time.perf_counter() * 1000}))
-            elif want(msg):
-                return msg, seen
-
-
-def send_speech(ws: ClientConnection, audio16k: np.ndarray) -> None:
-    """Stream audio as the page does: Int16 frames of one VAD window, in real time (the server stamps each frame
-    with its arrival, so a burst would squeeze the speech)."""
-    t0 = time.perf_counter()
-    for i in range(0, len(audio16k), MIC_FRAME_SAMPLES):
-        time.sleep(max(0.0, t0 + (i + MIC_FRAME_SAMPLES) / SAMPLE_RATE - time.perf_counter()))
-        ws.send((np.clip(audio16k[i : i + MIC_FRAME_SAMPLES], -1, 1) * 32767).astype("<i2").tobytes())
 
 
 def load_utterances(wav_dir: str | Path) -> list[Utterance]:
@@ -119,11 +59,6 @@ def load_utterances(wav_dir: str | Path) -> list[Utterance]:
     return [Utterance(w.stem, to_mono_16k(*load_audio(w)), texts.get(w.stem)) for w in wavs]
 
 
-def _distance(reference: str, hypothesis: str) -> float:
-    edits, words = word_edits(reference, hypothesis)
-    return edits / max(words, 1)
-
-
 def is_mixed(turn: ClientTurn, own: Utterance, group: Sequence[Utterance]) -> bool:
     """The turn belongs to another client: its transcript is strictly nearer another question of the group than its
     own (ties go to its own), or its answer was generated for a transcript it was not told it said."""
@@ -132,106 +67,18 @@ def is_mixed(turn: ClientTurn, own: Utterance, group: Sequence[Utterance]) -> bo
     if turn.transcript is None:
         return False  # nothing heard: a lost turn, not a mixed one
 
+    heard = turn.transcript
+
     def nearest(u: Utterance) -> float:
-        return min((_distance(r, turn.transcript) for r in u.references()), default=float("inf"))
+        return min((word_error_rate(r, heard) for r in u.references()), default=float("inf"))
 
     mine = nearest(own)
     return any(nearest(u) < mine for u in group if u.name != own.name)
 
 
-def ws_url(url: str) -> str:
-    """The app's WebSocket address, from the address of its page."""
-    return url.replace("http", "ws", 1) + WS_PATH
-
-
 def percentile(values: Sequence[float], q: float) -> float | None:
     """The q-th percentile, linearly interpolated (numpy's default): a few turns never extrapolate. None for none."""
     return float(np.percentile(values, q)) if values else None
-
-
-class _Client:
-    def __init__(self, turn: ClientTurn, utterance: Utterance, tail_s: float, leave_mid_answer: bool) -> None:
-        self.turn = turn
-        self.audio = np.concatenate(
-            [np.zeros(int(LEAD_S * SAMPLE_RATE), np.float32), utterance.audio, np.zeros(int(tail_s * SAMPLE_RATE))]
-        ).astype(np.float32)
-        self.leave_mid_answer = leave_mid_answer
-        self.decided = threading.Event()  # admitted, refused or failed
-
-    def _kind(self, m: dict) -> str:
-        """Note what a message tells about the turn; its type."""
-        kind = m["type"]
-        if kind == "error":
-            self.turn.errors.append(m["message"])
-        elif kind == "transcript":
-            self.turn.transcript = m["text"]
-        elif kind == "info" and m["message"].startswith("Not answered"):
-            self.turn.note = m["message"]  # the mic heard nothing it could answer
-        return kind
-
-    def run(self, address: str, origin: str, start: threading.Barrier, timeout_s: float) -> None:
-        turn = self.turn
-        try:
-            with connect(address, origin=origin, max_size=None, open_timeout=READY_TIMEOUT_S) as ws:
-                recv_until(ws, lambda m: self._kind(m) == "status" and m["ready"], READY_TIMEOUT_S)
-                ws.send(json.dumps({"type": "mic", "active": True, "mode": "handsfree"}))
-                start.wait(READY_TIMEOUT_S)  # every client of the group speaks at the same moment
-                send_speech(ws, self.audio)
-                decision, _ = recv_until(
-                    ws, lambda m: self._kind(m) in ("turn", "busy", "error") or turn.note is not None, timeout_s
-                )
-                if decision["type"] == "busy":
-                    turn.outcome = "busy"
-                if decision["type"] != "turn":
-                    return
-                turn.admitted = True
-                self.decided.set()
-                want = ("token", "done", "error") if self.leave_mid_answer else ("done", "error")
-                end, _ = recv_until(ws, lambda m: self._kind(m) in want, timeout_s)
-                if end["type"] == "token":
-                    turn.outcome = "left"  # closing the socket here is the disconnect mid-answer
-                elif end["type"] == "done":
-                    data = end["data"]
-                    turn.outcome, turn.answered_for, turn.ttfa_ms = "answered", data["transcript"], data["ttfa_ms"]
-                    if data["cancelled"]:
-                        turn.note = "the answer was cancelled"
-        except TimeoutError as e:
-            turn.note = f"timed out: {e}"
-        except ConnectionClosed as e:
-            turn.errors.append(f"the server closed the connection: {e}")
-            turn.note = "connection closed"
-        except (OSError, threading.BrokenBarrierError) as e:
-            turn.note = f"{type(e).__name__}: {e}"
-            start.abort()  # the others must not wait for a client that never comes
-        finally:
-            self.decided.set()
-
-
-def run_group(
-    url: str,
-    picks: Sequence[tuple[int, Utterance]],
-    timeout_s: float,
-    tail_s: float,
-    on_admitted: OnAdmitted | None = None,
-    leave_mid_answer: bool = False,
-) -> list[ClientTurn]:
-    """(client, utterance) pairs speak at once, each over its own socket; their turns once all are over."""
-    start = threading.Barrier(len(picks))
-    clients = [_Client(ClientTurn(c, u.name), u, tail_s, leave_mid_answer) for c, u in picks]
-    threads = [
-        threading.Thread(target=c.run, args=(ws_url(url), url, start, timeout_s), name=f"client-{c.turn.client}")
-        for c in clients
-    ]
-    for t in threads:
-        t.start()
-    longest = max(len(c.audio) for c in clients) / SAMPLE_RATE
-    for c in clients:
-        c.decided.wait(READY_TIMEOUT_S + longest + timeout_s)
-    if on_admitted is not None:
-        on_admitted(sum(c.turn.admitted for c in clients))
-    for t in threads:
-        t.join()
-    return [c.turn for c in clients]
 
 
 def summarize_run(
@@ -246,6 +93,7 @@ def summarize_run(
         "turns_answered": sum(t.outcome == "answered" for t in turns),
         "busy": sum(t.outcome == "busy" for t in turns),
         "lost": sum(t.outcome == "lost" for t in turns),
+        "silent": sum(t.outcome == "answered" and not t.audio_s for t in turns),
         "mixed": sum(t.mixed for t in turns),
         "server_errors": sum(len(t.errors) for t in (*turns, *extra)),
         "ttfa_ms_p50": percentile(ttfa, 50),
@@ -331,7 +179,7 @@ def describe(run: dict) -> str:
 
     line = (
         f"{run['clients']} clients: {run['turns_answered']}/{run['turns_sent']} answered, {run['busy']} busy, "
-        f"{run['lost']} lost, {run['mixed']} mixed, {run['server_errors']} server errors; "
+        f"{run['lost']} lost, {run['silent']} silent, {run['mixed']} mixed, {run['server_errors']} server errors; "
         f"TTFA p50 {ms(run['ttfa_ms_p50'])} ms, p95 {ms(run['ttfa_ms_p95'])} ms"
     )
     d = run["disconnect"]
@@ -375,6 +223,9 @@ def main(args: argparse.Namespace) -> int:
     utterances = load_utterances(args.wavs)
     config, options = app_server.server_setup(args)
     options.port = options.port or free_port()
+    # every simulated client connects from this machine's one address
+    options.max_sessions_per_client = max(options.max_sessions_per_client, *args.clients)
+    options.max_sessions = max(options.max_sessions, *args.clients)
     limit = options.max_concurrent_answers
     server = app_server.AppServer(config, options)
     tail_s = config.turn_end.longest_ms / 1000 + TAIL_MARGIN_S
@@ -411,9 +262,6 @@ def main(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps(result, indent=2, default=float))
         print(f"wrote {args.json}")
     # Busy refusals are the capacity limit working; anything else that went wrong fails the command.
-    failed = [
-        r
-        for r in runs
-        if r["lost"] or r["mixed"] or r["server_errors"] or not (r["disconnect"] or {}).get("passed", True)
-    ]
+    failures = ("lost", "silent", "mixed", "server_errors")
+    failed = [r for r in runs if any(r[f] for f in failures) or not (r["disconnect"] or {}).get("passed", True)]
     return 1 if failed else 0

@@ -11,9 +11,10 @@ import time
 from pathlib import Path
 
 from app.stats import bootstrap_ci, paired_ratio, spread
-from pipeline.agent import VoiceAgent, ab_order
+from pipeline.agent import VoiceAgent
 from pipeline.audio import load_audio, to_mono_16k
 from pipeline.options import add_agent_arguments, agent_config_from_args
+from pipeline.paired import paired_runs
 from pipeline.timeline import STAGES
 from pipeline.wer import normalize_words
 from specdec.metrics import DEFINITIONS
@@ -39,36 +40,35 @@ def main(args: argparse.Namespace) -> int:
     agent = VoiceAgent(agent_config_from_args(args))
     agent.warmup()
     conv = agent.new_conversation()
+    audios = {wav: to_mono_16k(*load_audio(wav)) for wav in wavs}
+
+    def run(item: tuple[int, Path], spec: bool) -> dict:
+        _, wav = item
+        audio = audios[wav]
+        started = time.perf_counter()  # the replay's first sample, within a millisecond
+        result = run_turn(agent, conv, audio, spec, paired=True)
+        turn = result.to_dict()
+        turn["speech_end_s"] = result.timeline.marks["speech_end"] - started
+        turn["whole"] = turn["speech_end_s"] >= len(audio) / 16000 - WHOLE_MARGIN_S
+        turn["early_kept"] = result.timeline.early_start is not None
+        turn["early_discarded"] = result.timeline.early_discarded
+        if wav.stem in expected:
+            turn["heard_right"] = normalize_words(turn["transcript"]) == normalize_words(expected[wav.stem])
+        return turn
+
+    items = [(rep, wav) for rep in range(args.repeats) for wav in wavs]
     pairs = []
-    for rep in range(args.repeats):
-        for i, wav in enumerate(wavs):
-            audio = to_mono_16k(*load_audio(wav))
-            turns = {}
-            for spec in ab_order(rep + i):
-                started = time.perf_counter()  # the replay's first sample, within a millisecond
-                result = run_turn(agent, conv, audio, spec, paired=True)
-                turn = turns[spec] = result.to_dict()
-                turn["speech_end_s"] = result.timeline.marks["speech_end"] - started
-                turn["whole"] = turn["speech_end_s"] >= len(audio) / 16000 - WHOLE_MARGIN_S
-                turn["early_kept"] = result.timeline.early_start is not None
-                turn["early_discarded"] = result.timeline.early_discarded
-                if wav.stem in expected:
-                    turn["heard_right"] = normalize_words(turn["transcript"]) == normalize_words(expected[wav.stem])
-            pair = {
-                "wav": wav.name,
-                "repeat": rep,
-                "off": turns[False],
-                "on": turns[True],
-                "ratio_on_off": turns[True]["ttfa_ms"] / turns[False]["ttfa_ms"],
-            }
-            pairs.append(pair)
-            print(
-                f"[{len(pairs)}/{args.repeats * len(wavs)}] {wav.name}: off {pair['off']['ttfa_ms']:.0f} ms, "
-                f"on {pair['on']['ttfa_ms']:.0f} ms (×{pair['ratio_on_off']:.2f}), "
-                f"acceptance {pair['on']['draft_acceptance_rate'] or 0:.0%}",
-                file=sys.stderr,
-                flush=True,
-            )
+    # The order alternates over repeats and over recordings both: (rep + i) % 2, i the recording's index.
+    for paired in paired_runs(run, items, order=lambda index, item: item[0] + index % len(wavs)):
+        (rep, wav), off, on = paired.item, paired.off, paired.on
+        pair = {"wav": wav.name, "repeat": rep, "off": off, "on": on, "ratio_on_off": on["ttfa_ms"] / off["ttfa_ms"]}
+        pairs.append(pair)
+        print(
+            f"[{len(pairs)}/{len(items)}] {wav.name}: off {off['ttfa_ms']:.0f} ms, on {on['ttfa_ms']:.0f} ms "
+            f"(×{pair['ratio_on_off']:.2f}), acceptance {on['draft_acceptance_rate'] or 0:.0%}",
+            file=sys.stderr,
+            flush=True,
+        )
     ab = paired_ratio([(p["off"]["ttfa_ms"], p["on"]["ttfa_ms"]) for p in pairs])  # the app's A/B statistic too
     diffs = [p["off"]["ttfa_ms"] - p["on"]["ttfa_ms"] for p in pairs]
     summary = {

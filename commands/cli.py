@@ -21,7 +21,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "app": ("app.server", "start the browser app"),
     "bench-users": ("commands.bench_users", "N voice clients at once: answered, busy, lost and mixed turns, TTFA"),
     "bench-heard": ("commands.bench_heard", "heard delay in headless Chromium over typed turns (needs the test extra)"),
-    "casestudy": ("app.casestudy", "reproduce and explain the 700 ms → 240 ms case study"),
+    "bench-server": ("commands.bench_server", "server memory over N sessions, status under a flood, malformed input"),
+    "casestudy": ("commands.casestudy", "reproduce and explain the 700 ms → 240 ms case study"),
 }
 
 

@@ -11,20 +11,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from specdec.bench import read_prompts
-from specdec.build import EngineSpec, build_engine
-from specdec.cost_grid import cached_forward_costs
-from specdec.engine import EngineSession, GenerationConfig
-from specdec.models import asset_path
-from specdec.sampling import SamplingParams
-from specdec.scheduler import BackgroundLoad, BatchScheduler
-from specdec.tokenizer import shared_prefix_ids
-
 from .asr import DEFAULT_BEAM_SIZE, DEFAULT_WINDOW_S, Transcriber
 from .audio import SAMPLE_RATE
 from .chunker import SpeechChunker
 from .listener import Notify, StartEarly, TurnListener
-from .llm import SYSTEM_PROMPT, EngineLLM, LLMStage, ReplyStats
+from .llm import LLMStage, ReplyStats
+from .llm_provider import LLM_WARMUP_STEPS, LLMConfig, LLMProvider, provider_from_config
 from .preemptive import ChildCancel, Hold
 from .timeline import Timeline
 from .tts import TTS, make_tts
@@ -32,16 +24,16 @@ from .turn_end import TurnEnd
 from .vad import FRAME, EndOfTurnDetector, VadEvent
 
 log = logging.getLogger("specvoice.agent")
-# The app's simulated background conversations ask the shipped training prompts (never a benchmark prompt).
-BACKGROUND_PROMPTS = asset_path("prompts", "train_prompts.jsonl")
 
 # on_event(kind, payload): "transcript" str, "token" dict, "audio" np.ndarray, "chunk" str, "done" TurnResult
 EventSink = Callable[[str, object], None]
 
 
 @dataclass
-class AgentConfig:
-    engine: EngineSpec = field(default_factory=EngineSpec)
+class AgentConfig(LLMConfig):
+    """The LLM's configuration (LLMConfig: the engine or a server, the answer's and the prompt's budgets) and the
+    voice stages' around it."""
+
     asr_model: str = "tiny.en"
     asr_beam_size: int = DEFAULT_BEAM_SIZE
     asr_window_s: float | None = DEFAULT_WINDOW_S  # None: Whisper's full 30 s window
@@ -50,13 +42,7 @@ class AgentConfig:
     preemptive: bool = True  # start the answer at the pause, held until the turn is confirmed
     prefill_while_speaking: bool = True  # prefill the user's words from the partial transcripts as they come
     first_chunk_words: int = 3  # measured: 3 words cut the first-chunk stage from 770 to 568 ms (w8a8)
-    max_new_tokens: int = 80
-    history_turns: int = 4  # user/assistant pairs kept in the prompt
-    system_prompt: str = SYSTEM_PROMPT
-    temperature: float = 0.0
-    seed: int = 0
-    llm_url: str | None = None  # an OpenAI-compatible server (e.g. vLLM) instead of the in-process engine
-    llm_url_no_spec: str | None = None  # optional target-only server, for speculation-off turns
+    history_turns: int = 4  # user/assistant pairs kept in the prompt at most (prompt_tokens bounds them too)
 
 
 @dataclass
@@ -109,7 +95,7 @@ class Conversation:
 
     def __init__(self, agent: VoiceAgent) -> None:
         self.history: list[dict[str, str]] = []
-        self.llm: LLMStage = agent.llm_for_conversation()
+        self.llm: LLMStage = agent.llm.for_conversation()
         self.lock = threading.Lock()  # one answer (or prefill) at a time per conversation
         self._pending: list[dict[str, str]] | None = None
         self._prefilling = False
@@ -151,108 +137,40 @@ def make_transcriber(config: AgentConfig) -> Transcriber:
 
 
 class VoiceAgent:
-    WARMUP_STEPS = (
-        "voice activity detection",
-        "speech recognition",
-        "text to speech",
-        "forward costs for the load-aware K",
-        "LLM, speculation off",
-        "LLM, speculation on",
-    )
+    """One voice turn: audio heard → transcript → the LLM's tokens → chunks → speech. llm: where each conversation's
+    LLM stage comes from (built from the config unless given)."""
+
+    WARMUP_STEPS = ("voice activity detection", "speech recognition", "text to speech", *LLM_WARMUP_STEPS)
 
     def __init__(
         self,
         config: AgentConfig,
-        llm: LLMStage | None = None,
+        llm: LLMProvider | None = None,
         transcriber: Transcriber | None = None,
         tts: TTS | None = None,
     ) -> None:
         self.config = config
-        self.engine = None
-        if llm is None and config.llm_url:
-            from .remote_llm import OpenAICompatibleLLM
-
-            llm = OpenAICompatibleLLM(
-                config.llm_url,
-                base_url_no_spec=config.llm_url_no_spec,
-                max_tokens=config.max_new_tokens,
-                temperature=config.temperature,
-            )
-        self.scheduler: BatchScheduler | None = None
-        self.background: BackgroundLoad | None = None
-        if llm is None:
-            self.engine, _ = build_engine(config.engine)
-            if config.engine.batched:  # load-aware once warmup has measured the forward costs
-                self.scheduler = BatchScheduler(self.engine)
-        self._shared_llm = llm
+        self.llm = llm or provider_from_config(config)
         self.transcriber = transcriber or make_transcriber(config)
         self.tts = tts or make_tts(config.tts)
-        self.shared_prefix: list[int] = []  # the system prompt's tokens, cached once per conversation
-
-    def llm_for_conversation(self) -> LLMStage:
-        if self.engine is None:
-            return self._shared_llm
-        session = EngineSession(self.engine)
-        if not self.shared_prefix:
-            self.shared_prefix = shared_prefix_ids(self.engine.target.tokenizer, self.config.system_prompt)
-        session.prefill(self.shared_prefix)  # the system prompt is paid once per conversation, not per turn
-        return EngineLLM(
-            self.engine,
-            self.config.max_new_tokens,
-            SamplingParams(self.config.temperature),
-            self.config.seed,
-            session,
-            self.scheduler,
-        )
-
-    def set_background(self, n: int) -> int:
-        """Run n simulated conversations beside the real ones (the app's load control); returns how many run."""
-        if self.scheduler is None:
-            raise ValueError("background load needs the in-process engine with batching (specvoice app)")
-        if self.background is None:
-            assert self.engine is not None  # a scheduler implies the engine
-            tokenizer, system = self.engine.target.tokenizer, {"role": "system", "content": self.config.system_prompt}
-            prompts = [
-                tokenizer.chat_ids([system, {"role": "user", "content": row["prompt"]}])
-                for row in read_prompts(str(BACKGROUND_PROMPTS))
-            ]
-            config = GenerationConfig(self.config.max_new_tokens, SamplingParams(self.config.temperature))
-            self.background = BackgroundLoad(self.scheduler, prompts, config, on_error=self._background_failed)
-        self.background.set(n)
-        return self.background.count
-
-    @staticmethod
-    def _background_failed(error: Exception) -> None:
-        log.warning("a background conversation stopped: %s: %s", type(error).__name__, error)
 
     def new_conversation(self) -> Conversation:
         return Conversation(self)
 
     def rewind(self, conv: Conversation) -> None:
         """Back to the state a paired run starts from: only the shared system-prompt prefix stays cached."""
-        session = getattr(conv.llm, "session", None)
-        if session is not None:
-            session.rollback(len(self.shared_prefix))
+        self.llm.rewind(conv.llm)
 
     def warmup(self, progress: Callable[[int], None] = lambda step: None) -> None:
-        """Pay every stage's first-call costs (the VAD's native library and model, ASR buffers, TTS lexicons,
-        kernels for both LLM modes) and measure the forward costs the load-aware K needs, before anyone waits;
-        progress(i) as WARMUP_STEPS[i] starts."""
+        """Pay every stage's first-call costs (the VAD's native library and model, ASR buffers, TTS lexicons, the
+        LLM's own) before anyone waits; progress(i) as WARMUP_STEPS[i] starts."""
         progress(0)
         EndOfTurnDetector().feed(np.zeros(SAMPLE_RATE, np.float32), 0.0)
         progress(1)
         self.transcriber.warmup()
         progress(2)
         self.tts.warmup()
-        progress(3)
-        if self.scheduler is not None and self.config.engine.load_aware:
-            assert self.engine is not None  # a scheduler implies the engine
-            # the ridge, measured here once per machine, model and format (~30 s), then read from the cache
-            self.scheduler.costs, _ = cached_forward_costs(self.engine)
-        conv = self.new_conversation()
-        for step, speculation in enumerate((False, True), start=4):
-            progress(step)
-            self.respond(conv, "Say hi.", Timeline(), speculation, remember=False)
+        self.llm.warmup(lambda step: progress(3 + step))
 
     def messages(self, conv: Conversation, user_text: str) -> list[dict[str, str]]:
         keep = conv.history[-2 * self.config.history_turns :] if self.config.history_turns else []
@@ -290,7 +208,7 @@ class VoiceAgent:
         remember: bool = True,
     ) -> TurnResult:
         """Replay a recording in real time, as if its speaker were talking now, then answer (starting early at a
-        pause, as a live microphone's turn does)."""
+        pause, as a live microphone's turn does). Once cancel is set the replay stops: AudioError, no turn heard."""
         early: list[tuple[Hold, threading.Thread, list]] = []
 
         def start_early(words: str, timeline: Timeline, hold: Hold) -> None:
@@ -314,6 +232,8 @@ class VoiceAgent:
             tail = np.zeros(int(SAMPLE_RATE * (self.config.turn_end.longest_ms / 1000 + 0.2)), np.float32)
             padded = np.concatenate([audio16k, tail])
             for i in range(0, len(padded), FRAME):  # the page's mic sends one VAD frame at a time too
+                if cancel is not None and cancel.is_set():
+                    break  # with no end of turn, finish() raises AudioError
                 t_chunk = t0 + i / SAMPLE_RATE
                 delay = t_chunk + FRAME / SAMPLE_RATE - time.perf_counter()
                 if delay > 0:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from specdec.build import k_policy_factory
-from specdec.engine import EngineSession, GenerationConfig, SpeculativeEngine
+from specdec.engine import EngineSession, GenerationConfig, PromptError, SpeculativeEngine
 from specdec.metrics import SpecStats
 from specdec.sampling import SamplingParams
 from specdec.scheduler import BatchScheduler
@@ -86,12 +86,19 @@ class EngineLLM:
         seed: int = 0,
         session: EngineSession | None = None,
         scheduler: BatchScheduler | None = None,
+        prompt_tokens: int | None = None,
     ) -> None:
         self.name = "engine"
         self.engine = engine
         self.scheduler = scheduler  # given: this conversation's steps are batched with the others'
         self.tokenizer = engine.target.tokenizer
         self.max_new_tokens = max_new_tokens
+        if prompt_tokens is not None and prompt_tokens < 1:
+            raise ValueError(f"the prompt budget must be ≥ 1 token, got {prompt_tokens}")
+        # the whole prompt's budget in tokens: what the context leaves beside the answer, or less
+        self.prompt_room = engine.target.max_context - max_new_tokens
+        if prompt_tokens is not None:
+            self.prompt_room = min(prompt_tokens, self.prompt_room)
         self.sampling = sampling or SamplingParams()
         self.seed = seed
         self.session = session  # KV caches kept between this conversation's turns
@@ -121,30 +128,43 @@ class EngineLLM:
             self.sampling = SamplingParams(temperature, self.sampling.top_p)
 
     def prompt_ids(self, messages: list[dict[str, str]], stats: ReplyStats | None = None) -> list[int]:
-        """The chat prompt, dropping the oldest exchanges until it leaves room for the answer."""
-        room = self.engine.target.max_context - self.max_new_tokens
+        """The chat prompt within prompt_room tokens, the oldest exchanges dropped first. PromptError when the
+        system prompt and the last message alone are over it."""
+        fitted, ids = self._fit(messages)
+        if len(ids) > self.prompt_room:
+            raise PromptError(
+                f"this turn's prompt is {len(ids)} tokens (the system prompt and your words), over the "
+                f"{self.prompt_room}-token limit: say it in fewer words"
+            )
+        dropped = (len(messages) - len(fitted)) // 2
+        if dropped and stats is not None:
+            stats.notes.append(f"the oldest {dropped} exchanges dropped to fit the prompt's {self.prompt_room} tokens")
+        return ids
+
+    def _fit(self, messages: list[dict[str, str]]) -> tuple[list[dict[str, str]], list[int]]:
+        """The messages with the oldest user/assistant exchanges dropped until they fit prompt_room (or none is
+        left), and their tokens."""
         msgs = list(messages)
         ids = self.tokenizer.chat_ids(msgs)
         has_system = bool(msgs) and msgs[0]["role"] == "system"
-        while len(ids) > room and len(msgs) > 1 + has_system:
+        while len(ids) > self.prompt_room and len(msgs) > 1 + has_system:
             del msgs[has_system : has_system + 2]  # one user/assistant exchange
             ids = self.tokenizer.chat_ids(msgs)
-            if stats is not None:
-                stats.notes.append("oldest conversation turns dropped to fit the context")
-        return ids
+        return msgs, ids
 
     def prefill_words(self, messages: list[dict[str, str]]) -> None:
         """Prefill the prompt up to the end of the last message's words (the user's, still speaking): every
         prompt whose last message starts with them shares these tokens. Not concurrently with an answer."""
         if self.session is None:
             return
-        head, words = messages[:-1], messages[-1]["content"]
+        fitted, _ = self._fit(messages)  # the history the answer keeps, as far as the words so far tell
+        head, words = fitted[:-1], fitted[-1]["content"]
         tails = (" a", " zz")  # the next word starts with a space: the words' own tokens are the shared ones
         with_words = [self.tokenizer.chat_ids([*head, {"role": "user", "content": words + tail}]) for tail in tails]
         before = [self.tokenizer.chat_ids([*head, {"role": "user", "content": tail}]) for tail in ("a", "zz")]
         ids = with_words[0][: common_prefix_length(*with_words)]
         start = common_prefix_length(*before)
-        if len(ids) > start and len(ids) < self.engine.target.max_context - self.max_new_tokens:
+        if start < len(ids) <= self.prompt_room:
             self.session.prefill(ids)
             self._spoken_prefix = (ids, start)
 

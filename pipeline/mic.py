@@ -1,24 +1,25 @@
 """A live microphone stream → user turns: the hands-free gate with its pre-roll, and push-to-talk.
 
 Turn detection for audio that arrives as it is spoken (the app's WebSocket); each turn is heard by a TurnListener
-(pipeline/agent.py), which also ends and transcribes recordings, so both end a turn the same way.
+(pipeline/listener.py), which also ends and transcribes recordings, so both end a turn the same way.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import queue
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import Protocol
 
 import numpy as np
 
 from .agent import Conversation, VoiceAgent
 from .audio import SAMPLE_RATE, AudioError
 from .listener import StartEarly, TurnListener
+from .preemptive import Hold
 from .timeline import Timeline
 from .turn_end import TurnEnd
 from .vad import EndOfTurnDetector, VadEvent
@@ -32,6 +33,29 @@ Notify = Callable[[dict], None]
 OnTurn = Callable[[str, Timeline, np.ndarray | None, bool], None]
 
 
+class Capacity(Protocol):
+    """What limits heavy work over all tabs (the app's AnswerSlots): a slot is taken without waiting, or not."""
+
+    def try_acquire(self) -> bool: ...
+
+    def release(self) -> None: ...
+
+    def busy_message(self) -> str: ...
+
+
+class NoLimit:
+    """A Capacity that is never full."""
+
+    def try_acquire(self) -> bool:
+        return True
+
+    def release(self) -> None:
+        pass
+
+    def busy_message(self) -> str:
+        return "Busy."
+
+
 class MicInput:
     """Microphone frames → user turns, on a thread of its own so VAD and ASR never block the caller (a socket).
 
@@ -39,12 +63,20 @@ class MicInput:
     of pre-roll) start, because its streaming ASR re-transcribes its whole buffer every half second, silence
     included. Push-to-talk: pressing starts a listener whose VAD never ends the turn; releasing ends it.
 
-    Until release(), while the models load, the thread waits and the queue keeps what is said (about 30 s), so a
-    question spoken meanwhile is heard, with its real timestamps, and answered once they are ready.
+    Until release(), while the models load, the thread waits and the queue keeps what is said (MAX_QUEUED_S), so a
+    question spoken meanwhile is heard, with its real timestamps, and answered once they are ready. Audio beyond
+    that (a client sending faster than real time, or a thread that fell behind) is dropped, and the user told.
+
+    Each turn's final transcription runs under capacity (shared with the answers): when none is free the user gets
+    its busy message and the turn is not answered, as a typed turn would not be. A turn whose early answer is held
+    is transcribed under that answer's slot, which is this turn's already.
     """
 
     PREROLL_S = 1.0
     PARTIAL_EVERY_S = 0.3
+    MAX_QUEUED_S = 30.0  # audio waiting to be heard
+    MAX_QUEUED_FRAMES = 4096  # against tiny frames: ~4 times the page's 32 ms frames in MAX_QUEUED_S
+    MAX_QUEUED_SWITCHES = 64  # mic on/off messages waiting
 
     def __init__(
         self,
@@ -54,6 +86,7 @@ class MicInput:
         max_turn_s: float,
         start_early: StartEarly | None = None,
         conversation: Callable[[], Conversation] | None = None,
+        capacity: Capacity | None = None,
     ) -> None:
         self.notify = notify
         self.interrupt = interrupt  # interrupt(reason): the user speaks, so the answer being given stops
@@ -61,10 +94,13 @@ class MicInput:
         self.start_early = start_early  # an answer started at a pause (preemptive generation), held until the end
         self.conversation = conversation  # whose KV cache the user's words are prefilled into as they come
         self.max_turn_s = max_turn_s
+        self.capacity = capacity or NoLimit()
         self.agent: VoiceAgent | None = None
         self.unavailable = ""  # why there is no agent, once loading is over
         self.closed = False
-        self.queue: queue.Queue = queue.Queue(maxsize=1000)  # ~30 s of 32 ms frames
+        self.queue: queue.Queue = queue.Queue()  # bounded by _put, in samples and items
+        self._queued = {"samples": 0, "audio": 0, "control": 0}
+        self._queue_lock = threading.Lock()
         self.mode: str | None = None  # None (off), "handsfree", "ptt"
         self.listener: TurnListener | None = None
         self.gate: EndOfTurnDetector | None = None
@@ -73,14 +109,15 @@ class MicInput:
         self.fed: list[np.ndarray] = []  # this turn's audio as the listener got it, for A/B replays
         self.partial = ""
         self.last_partial_t = 0.0
-        self.dropping = False
+        self.dropping = False  # something was refused and the queue has not drained to half since
+        self.early: Hold | None = None  # the early answer started on this turn's words, if any
         self.released = threading.Event()  # loading is over (or the stream closed): the thread may go on
         self.thread = threading.Thread(target=self._run, name="mic", daemon=True)
         self.thread.start()
 
     def feed(self, chunk: np.ndarray, t_start: float) -> None:
         """16 kHz audio whose first sample was spoken at t_start (perf_counter clock)."""
-        self._put(("audio", chunk, t_start))
+        self._put(("audio", chunk, t_start), len(chunk))
 
     def switch(self, active: bool, mode: str) -> None:
         """Turn the microphone on or off in mode "handsfree" or "ptt" (releasing push-to-talk ends its turn)."""
@@ -94,24 +131,53 @@ class MicInput:
     def close(self) -> None:
         self.closed = True
         self.released.set()
-        with contextlib.suppress(queue.Full):
-            self.queue.put_nowait(None)
+        self.queue.put_nowait(None)
 
-    def _put(self, item: tuple) -> None:
-        try:
-            self.queue.put_nowait(item)
-            self.dropping = False
-        except queue.Full:
-            # The thread is stuck (ASR on an overloaded machine) or waits for the models: drop audio, never the
-            # caller, and say so once rather than for each of ~30 frames a second.
-            if not self.dropping:
-                log.warning("mic queue full; dropping frames")
-            self.dropping = True
+    def _put(self, item: tuple, samples: int = 0) -> None:
+        """Queue item unless that would pass a limit. The thread is stuck (ASR on an overloaded machine), waits for
+        the models, or the client sends faster than real time: drop what is over, never block the caller, and say
+        so once per burst rather than for each of ~30 frames a second."""
+        kind = item[0]
+        with self._queue_lock:
+            q = self._queued
+            if kind == "audio":
+                fits = q["samples"] + samples <= self.MAX_QUEUED_S * SAMPLE_RATE and q["audio"] < self.MAX_QUEUED_FRAMES
+            else:
+                fits = q["control"] < self.MAX_QUEUED_SWITCHES
+            if fits:
+                q["samples"] += samples
+                q[kind] += 1
+                self.queue.put_nowait(item)
+                return
+            first, self.dropping = not self.dropping, True
+        if first:
+            log.warning("mic queue full; dropping %s", kind)
+            waiting = (
+                f"Microphone audio dropped: {self.MAX_QUEUED_S:g} s of it are already waiting to be heard"
+                if kind == "audio"
+                else f"Microphone on/off dropped: {self.MAX_QUEUED_SWITCHES} switches are already waiting"
+            )
+            why = "it arrives faster than real time, or the server is behind"
+            self.notify({"type": "error", "message": f"{waiting} ({why}). What was queued before is kept."})
+
+    def _taken(self, item: tuple) -> None:
+        """item left the queue: its room is free again; a burst of drops ends once the queue has drained to half."""
+        with self._queue_lock:
+            q = self._queued
+            q["samples"] -= len(item[1]) if item[0] == "audio" else 0
+            q[item[0]] -= 1
+            if (
+                q["samples"] <= self.MAX_QUEUED_S * SAMPLE_RATE / 2
+                and q["audio"] <= self.MAX_QUEUED_FRAMES / 2
+                and q["control"] <= self.MAX_QUEUED_SWITCHES / 2
+            ):
+                self.dropping = False
 
     def _run(self) -> None:
         try:
             self.released.wait()
             while not self.closed and (item := self.queue.get()) is not None:
+                self._taken(item)
                 if item[0] == "audio":
                     self._audio(item[1], item[2])
                 else:
@@ -155,8 +221,13 @@ class MicInput:
         return self.conversation() if self.conversation is not None else None
 
     def _new_listener(self, listener: TurnListener) -> None:
-        self.listener, self.fed_s, self.fed, self.partial = listener, 0.0, [], ""
+        self.listener, self.fed_s, self.fed, self.partial, self.early = listener, 0.0, [], "", None
         self.notify({"type": "vad", "event": "listening"})
+
+    def _start_early(self, words: str, timeline: Timeline, hold: Hold) -> None:
+        self.early = hold  # remembered: its answer's slot covers this turn's final transcription
+        assert self.start_early is not None
+        self.start_early(words, timeline, hold)
 
     def _audio(self, chunk: np.ndarray, t_start: float) -> None:
         if self.mode is None or self.agent is None or (self.mode == "ptt" and self.listener is None):
@@ -169,7 +240,8 @@ class MicInput:
                 return
             self.notify({"type": "vad", "event": "speech_start"})
             self.interrupt("barge-in")
-            self._new_listener(self.agent.listen(self._conv(), self.start_early, self.notify))
+            start_early = self._start_early if self.start_early is not None else None
+            self._new_listener(self.agent.listen(self._conv(), start_early, self.notify))
             items, self.preroll = list(self.preroll), deque()
         else:
             items = [(chunk, t_start)]
@@ -204,6 +276,14 @@ class MicInput:
             return
         if end is not None:
             self.notify({"type": "vad", "event": "end_of_turn"})
+        # No speech: nothing to transcribe. An early answer still held has its slot (or is about to take one), and
+        # that is this turn's: it needs no second.
+        needs_slot = end is not None and not (self.early is not None and self.early.state == "held")
+        if needs_slot and not self.capacity.try_acquire():
+            listener.close()  # its early answer, if any, is discarded
+            said = f"Your {self.fed_s:.1f} s of speech was not transcribed."
+            self.notify({"type": "busy", "message": f"{self.capacity.busy_message()} {said}"})
+            return
         try:
             heard = listener.finish(end)
         except AudioError as e:
@@ -211,6 +291,8 @@ class MicInput:
             return
         finally:
             listener.close()
+            if needs_slot:
+                self.capacity.release()
         self.notify({"type": "transcript", "text": heard.transcript})
         audio = np.concatenate(self.fed) if self.fed else None
         self.on_turn(heard.transcript, heard.timeline, audio, heard.early is not None)

@@ -10,6 +10,7 @@ from specdec.build import DTYPES, EngineSpec
 from specdec.quant import TARGET_QUANTS
 
 from .agent import AgentConfig
+from .tts import offered_tts, tts_problem
 from .turn_end import TurnEnd
 
 
@@ -19,6 +20,14 @@ def positive_int(value: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
     return n
+
+
+def tts_name(value: str) -> str:
+    """argparse type: a TTS engine that can be used here (Coqui only where it can load: pipeline.tts.tts_problem)."""
+    problem = tts_problem(value)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return value.strip().lower()
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -128,7 +137,9 @@ def add_agent_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.asr_window_s,
         help="seconds of audio the ASR encoder sees for a short turn (0: Whisper's full 30 s; 10 measured best)",
     )
-    parser.add_argument("--tts", default=d.tts, help="hibari (default), piper or coqui")
+    offered = offered_tts()
+    coqui = "" if "coqui" in offered else f"; not coqui here: {tts_problem('coqui')}"
+    parser.add_argument("--tts", default=d.tts, type=tts_name, help=f"{', '.join(offered)} (default {d.tts}){coqui}")
     t = d.turn_end
     parser.add_argument(
         "--end-of-turn",
@@ -162,6 +173,18 @@ def add_agent_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--first-chunk-words", type=int, default=d.first_chunk_words)
     parser.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
     parser.add_argument("--history-turns", type=int, default=d.history_turns)
+    parser.add_argument(
+        "--max-prompt-tokens",
+        type=positive_int,
+        default=d.prompt_tokens,
+        help="the whole prompt (system, history, the user's turn) in tokens; the oldest exchanges go first",
+    )
+    parser.add_argument(
+        "--prefill-chunk",
+        type=positive_int,
+        default=d.prefill_chunk,
+        help="a long prompt is read this many tokens per batched step, so one user cannot stall the others",
+    )
     parser.add_argument("--temperature", type=float, default=d.temperature)
     parser.add_argument(
         "--seed",
@@ -200,6 +223,8 @@ def agent_config_from_args(args: argparse.Namespace) -> AgentConfig:
         first_chunk_words=args.first_chunk_words,
         max_new_tokens=args.max_new_tokens,
         history_turns=args.history_turns,
+        prompt_tokens=args.max_prompt_tokens,
+        prefill_chunk=args.prefill_chunk,
         temperature=args.temperature,
         seed=args.seed,
         llm_url=args.llm_url,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -85,17 +86,41 @@ class PiperTTS(TTS):
                 yield chunk.audio_float_array.astype(np.float32, copy=False)
 
 
+def coqui_problem(installed: bool, cuda: bool) -> str | None:
+    """Why Coqui TTS cannot load, or None where it can: it needs its package (coqui-tts, never a dependency) and a
+    CUDA build of torch, as it cannot run on the CPU-only torch that setup installs."""
+    if not installed:
+        return (
+            "Coqui TTS is not installed; on a machine with an NVIDIA GPU and a CUDA build of torch, install it "
+            "with: pip install coqui-tts"
+        )
+    if not cuda:
+        return (
+            "Coqui TTS cannot run on a CPU-only torch (this torch has no CUDA); use --tts hibari or piper, or run "
+            "on a GPU machine with a CUDA build of torch"
+        )
+    return None
+
+
+def coqui_problem_here() -> str | None:
+    """coqui_problem for this machine's packages and torch."""
+    import torch
+
+    return coqui_problem(importlib.util.find_spec("TTS") is not None, torch.cuda.is_available())
+
+
 class CoquiTTS(TTS):
-    """Coqui TTS, only where `import TTS` works (never a dependency). Coqui fetches model_name on first use,
-    so this is for online users. Not streaming: one chunk per call (the chunker already keeps calls short)."""
+    """Coqui TTS, only where it can load (coqui_problem_here). Coqui fetches model_name on first use, so this is for
+    online users. Not streaming: one chunk per call (the chunker already keeps calls short)."""
 
     name = "coqui"
 
     def __init__(self, model_name: str = "tts_models/en/ljspeech/vits") -> None:
-        try:
-            from TTS.api import TTS as CoquiAPI
-        except ImportError as e:
-            raise _missing("Coqui TTS", "coqui-tts") from e
+        problem = coqui_problem_here()
+        if problem:
+            raise RuntimeError(problem)
+        from TTS.api import TTS as CoquiAPI
+
         self._tts = CoquiAPI(model_name, progress_bar=False)
         self.sample_rate = int(self._tts.synthesizer.output_sample_rate)
 
@@ -113,13 +138,26 @@ ENGINES: dict[str, type[TTS]] = {
 DEFAULT_TTS = "hibari"
 
 
+def offered_tts() -> list[str]:
+    """The engines to offer here: Coqui only where it can load."""
+    return [name for name in ENGINES if name != "coqui" or coqui_problem_here() is None]
+
+
+def tts_problem(name: str) -> str | None:
+    """Why the engine `name` cannot be used here (unknown, or Coqui where it cannot load), or None."""
+    engine = name.strip().lower()
+    if engine not in ENGINES:
+        return f"unknown TTS {name!r}; choose one of: {', '.join(offered_tts())}"
+    return coqui_problem_here() if engine == "coqui" else None
+
+
 def make_tts(name: str = DEFAULT_TTS) -> TTS:
-    """A TTS engine by name: "hibari" (default), "piper", "coqui".
+    """A TTS engine by name: "hibari" (default), "piper", "coqui" (where it can load: coqui_problem_here).
 
     On the CPU whatever --device says: hibari opens its onnxruntime session with the CPU provider only, and the
     onnxruntime wheel that piper's session runs on is the CPU build (the GPU one is another package,
     onnxruntime-gpu). hibari speaks about 100x faster than real time on one core, so a GPU would save little."""
     engine = ENGINES.get(name.strip().lower())
     if engine is None:
-        raise ValueError(f"unknown TTS {name!r}; choose one of: {', '.join(ENGINES)}")
+        raise ValueError(tts_problem(name))
     return engine()

@@ -5,7 +5,7 @@ for many. Acceptance runs on the device and the step's results are read back onc
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -60,6 +60,7 @@ class StepEvent:
 
 
 DRAFTER_KINDS = ("draft-model", "heads", "ngram")  # what a conversation may switch to (the engine's own or n-gram)
+Chunks = Sequence[tuple["Answer", int]]  # prompts read in chunks (chunked prefill): (answer, its context's end)
 
 
 class EngineSession:
@@ -97,14 +98,19 @@ class EngineSession:
         """Warm both caches on a prefix that every answer shares (the system prompt)."""
         self.target.extend(ids)
         if self.drafter is not None:
-            self.drafter.prefill(ids)
-            if self.target.keep_hidden:
-                self.drafter.observe(StepEvent(step=0, tokens=[], from_draft=[]), self.target)
+            catch_up(self.drafter, ids, self.target)
 
     def rollback(self, length: int) -> None:
         self.target.rollback(length)
         if self.drafter is not None:
             self.drafter.rollback(length)
+
+
+def catch_up(drafter: Drafter, ids: list[int], target: SequenceCache) -> None:
+    """The drafter learns ids, just fed to the target's cache outside a step (a draft model prefills, heads read)."""
+    drafter.prefill(ids)
+    if target.keep_hidden:
+        drafter.observe(StepEvent(step=0, tokens=[], from_draft=[]), target)
 
 
 @dataclass
@@ -233,9 +239,12 @@ class SpeculativeEngine:
             if event.finish_reason:
                 return
 
-    def step(self, answers: list[Answer], k_caps: list[int | None] | None = None) -> list[StepEvent]:
+    def step(
+        self, answers: list[Answer], k_caps: list[int | None] | None = None, chunks: Chunks = ()
+    ) -> list[StepEvent]:
         """One step of every answer, all verified in one target forward. k_caps: a load-aware scheduler's K per
-        answer (None: the answer's own K policy and governor decide). A cancelled answer gets its last event
+        answer (None: the answer's own K policy and governor decide). chunks: (answer, end), a prompt read in chunks:
+        the forward feeds its context up to end, and it emits nothing. A cancelled answer gets its last event
         without a forward; a failing forward raises (every answer in it fails; their caches were reset)."""
         caps = k_caps or [None] * len(answers)
         events: list[StepEvent | None] = [None] * len(answers)
@@ -246,25 +255,28 @@ class SpeculativeEngine:
                 events[i] = StepEvent(step=answer.steps, tokens=[], from_draft=[], finish_reason="cancelled")
             else:
                 live.append((i, answer, cap))
-        if live:
-            self._verify(live, events)
+        if live or chunks:
+            self._verify(live, events, chunks)
         assert all(e is not None for e in events)
         return events  # type: ignore[return-value]
 
-    def _verify(self, live: list[tuple[int, Answer, int | None]], events: list[StepEvent | None]) -> None:
-        """Draft for every live answer, verify all in one forward, read the verdicts once, conclude each."""
+    def _verify(
+        self, live: list[tuple[int, Answer, int | None]], events: list[StepEvent | None], chunks: Chunks
+    ) -> None:
+        """Draft for every live answer, verify all (and feed the chunks) in one forward, read once, conclude each."""
         drafts = [self._draft(answer, len(live), cap) for _, answer, cap in live]
         feeds = [Feed(a.cache, a.ctx, self._n_rows(d), self._draft_tokens(d)) for (_, a, _), d in zip(live, drafts)]
+        feeds += [Feed(a.cache, a.ctx[:end]) for a, end in chunks]  # their one logit row goes unread
         t0 = clock(self.target.device)
         logits = self.runner.extend(feeds)
         verdicts = [self._verdict(lg, a, d) for lg, (_, a, _), d in zip(logits, live, drafts)]
-        values = torch.cat(verdicts).tolist()  # the step's one read from the device
+        values = torch.cat(verdicts).tolist() if verdicts else []  # the step's one read from the device
         verify_s = clock(self.target.device) - t0
         at = 0
         for (i, answer, _), draft, verdict in zip(live, drafts, verdicts):
             n_acc, nxt, proposed, *drafted = values[at : at + len(verdict)]
             at += len(verdict)
-            events[i] = self._conclude(answer, draft, n_acc, nxt, drafted[:proposed], verify_s, len(live))
+            events[i] = self._conclude(answer, draft, n_acc, nxt, drafted[:proposed], verify_s, len(feeds))
 
     @staticmethod
     def _n_rows(draft: _Draft) -> int:

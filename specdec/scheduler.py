@@ -1,5 +1,6 @@
 """Continuous batching: the active answers' steps share one target forward. Answers join and leave between steps,
 each keeps its own KV cache, drafter and sampling generator, and the drafts per answer are chosen from the load.
+A long prompt joins in chunks (chunked prefill), fed in the forwards of the others' steps.
 
 Why the load matters: while a forward is memory-bound, B sequences × (K + 1) tokens cost about what B tokens do,
 so drafts are nearly free; past the ridge every token fed costs compute, and a rejected draft is pure load.
@@ -7,16 +8,13 @@ so drafts are nearly free; past the ridge every token fed costs compute, and a r
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
 import queue
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from .cost_grid import ForwardCosts
-from .engine import Answer, EngineSession, GenerationConfig, SpeculativeEngine, StepEvent
+from .engine import Answer, EngineSession, GenerationConfig, SpeculativeEngine, StepEvent, catch_up
 from .metrics import SpecStats
 
 
@@ -66,18 +64,26 @@ class LoadEstimate:
 MIN_GAIN = 0.03
 
 
-def choose_ks(fed: list[int], wanted: list[int], estimates: list[LoadEstimate], cost: ForwardCosts) -> list[int]:
+def choose_ks(
+    fed: list[int],
+    wanted: list[int],
+    estimates: list[LoadEstimate],
+    cost: ForwardCosts,
+    prefilling: Sequence[int] = (),
+) -> list[int]:
     """Drafts per answer for one batched step. fed: tokens each answer feeds without drafts (1, or its prompt);
-    wanted: the most each may draft. Greedily adds the draft that raises the batch's expected tokens per second
-    most, Σ tokens_i(K_i) ÷ (forward(B, Σ fed_i + rows_i(K_i)) + Σ K_i · draft_s_i), until no draft raises it: at
+    wanted: the most each may draft; prefilling: tokens of the prompts read in chunks in the same forward, load
+    that emits nothing. Greedily adds the draft that raises the batch's expected tokens per second most,
+    Σ tokens_i(K_i) ÷ (forward(B, Σ fed_i + rows_i(K_i)) + Σ K_i · draft_s_i), until no draft raises it: at
     light load drafts ride a memory-bound forward nearly free, past the ridge they cost more than they bring."""
     ks = [0] * len(fed)
     wanted = [min(w, len(e.accepted)) for w, e in zip(wanted, estimates)]
+    batch, base = len(fed) + len(prefilling), sum(fed) + sum(prefilling)
 
     def rate(ks: list[int]) -> float:
         tokens = sum(e.tokens(k) for e, k in zip(estimates, ks))
-        rows = sum(fed) + sum(e.rows(k) for e, k in zip(estimates, ks))
-        return tokens / (cost(len(fed), rows) + sum(k * e.draft_s for e, k in zip(estimates, ks)))
+        rows = base + sum(e.rows(k) for e, k in zip(estimates, ks))
+        return tokens / (cost(batch, rows) + sum(k * e.draft_s for e, k in zip(estimates, ks)))
 
     best = rate(ks)
     while True:
@@ -100,21 +106,34 @@ class _Running:
     events: queue.Queue = field(default_factory=queue.Queue)  # StepEvents, or the exception that ended the answer
     drafted: bool = False  # a drafter has run for this answer
     abandoned: bool = False  # its reader stopped reading: leave at the next step
+    note: str = ""  # why speculation stopped during its chunked prefill, told with its first event
+
+
+# Prompt tokens a joining answer feeds per step (chunked prefill): the answers already running wait for a forward
+# of at most this many tokens more, not for a whole long prompt's.
+PREFILL_CHUNK = 256
 
 
 class BatchScheduler:
     """Runs every answer streamed through it on one thread, one batched target forward per step.
 
     costs: measured forward costs; given, K per answer is chosen by load (choose_ks, capped by the answer's own K
-    policy), else each answer drafts what its K policy says. Greedy answers equal those of SpeculativeEngine.stream
-    alone; with sampling, each answer draws from its own seeded generator, so its draws do not depend on others.
+    policy), else each answer drafts what its K policy says. prefill_chunk: a prompt longer than this is read this
+    many tokens per step, in the forwards of the others' steps, so one long prompt cannot stall every answer.
+    Greedy answers equal those of SpeculativeEngine.stream alone; with sampling, each answer draws from its own
+    seeded generator, so its draws do not depend on others.
     """
 
     ALPHA_PRIOR = 0.5  # acceptance assumed for an answer before anything was measured
 
-    def __init__(self, engine: SpeculativeEngine, costs: ForwardCosts | None = None) -> None:
+    def __init__(
+        self, engine: SpeculativeEngine, costs: ForwardCosts | None = None, prefill_chunk: int = PREFILL_CHUNK
+    ) -> None:
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill chunk must be ≥ 1 token, got {prefill_chunk}")
         self.engine = engine
         self.costs = costs
+        self.prefill_chunk = prefill_chunk
         self._running: list[_Running] = []
         self._joining: list[_Running] = []
         self._lock = threading.Lock()  # guards _joining and _thread
@@ -175,28 +194,53 @@ class BatchScheduler:
         self._running = runs
         if not runs:
             return
-        answers = [r.answer for r in runs]
-        caps = self._load_aware_ks(runs) if self.costs else None
+        chunks = [(r, end) for r in runs if (end := self._chunk_end(r.answer)) is not None]
+        chunked = {id(r) for r, _ in chunks}
+        stepping = [r for r in runs if id(r) not in chunked]
+        caps = self._load_aware_ks(stepping, [self.prefill_chunk] * len(chunks)) if self.costs else None
         try:
-            events = self.engine.step(answers, caps)
+            events = self.engine.step([r.answer for r in stepping], caps, [(r.answer, end) for r, end in chunks])
         except Exception as e:  # every answer in this forward fails with it; their caches were reset
             for r in runs:
                 r.events.put(e)
             self._running = []
             return
-        staying = []
-        for r, event in zip(runs, events):
+        for r, end in chunks:
+            self._catch_up(r, end)
+        finished = set()
+        for r, event in zip(stepping, events):
+            event.note, r.note = event.note or r.note, ""
             draft_time = r.drafted  # not the answer's first drafting step
             r.drafted = r.drafted or event.speculative
             r.estimate.observe(event, draft_time)
             self._prior.observe(event, draft_time)
             r.events.put(event)
-            if not event.finish_reason:
-                staying.append(r)
-        self._running = staying
+            if event.finish_reason:
+                finished.add(id(r))
+        self._running = [r for r in runs if id(r) not in finished]  # in the order they joined
 
-    def _load_aware_ks(self, runs: list[_Running]) -> list[int | None]:
-        """K caps for the answers that asked for load-aware K; None for the others, whose drafts count as load."""
+    def _chunk_end(self, answer: Answer) -> int | None:
+        """Where this step's chunk of the answer's prompt ends; None once the rest fits one step (its own)."""
+        cached = answer.cache.common_prefix(answer.ctx)
+        if answer.cancelled or len(answer.ctx) - cached <= self.prefill_chunk:
+            return None
+        return cached + self.prefill_chunk
+
+    @staticmethod
+    def _catch_up(run: _Running, end: int) -> None:
+        """After a chunk, the answer's drafters learn its context up to end; a failing one is dropped, as in a
+        step, and the answer goes on with the target alone."""
+        answer = run.answer
+        for drafter in {id(d): d for d in (answer.observer, answer.drafter) if d}.values():
+            try:
+                catch_up(drafter, answer.ctx[:end], answer.cache)
+            except Exception as e:
+                run.note = f"drafter failed ({type(e).__name__}: {e}); continuing target-only"
+                answer.drafter = answer.observer = None
+
+    def _load_aware_ks(self, runs: list[_Running], prefilling: list[int]) -> list[int | None]:
+        """K caps for the answers that asked for load-aware K; None for the others, whose drafts count as load, as
+        do the prompts read in chunks (prefilling: their tokens)."""
         assert self.costs is not None
         answers = [r.answer for r in runs]
         aware = [a.load_aware for a in answers]
@@ -204,64 +248,5 @@ class BatchScheduler:
         wanted = [self.engine.wanted_k(a) for a in answers]
         fed = [b if a else b + w for a, b, w in zip(aware, base, wanted)]
         estimates = [r.estimate for r in runs]
-        ks = choose_ks(fed, [w if a else 0 for a, w in zip(aware, wanted)], estimates, self.costs)
+        ks = choose_ks(fed, [w if a else 0 for a, w in zip(aware, wanted)], estimates, self.costs, prefilling)
         return [k if a else None for a, k in zip(aware, ks)]
-
-
-class BackgroundLoad:
-    """Simulated conversations answering prompts back to back through a scheduler: the app's load control, so a
-    presenter can show speculation helping one user and hurting many, and the load-aware K keeping the better."""
-
-    def __init__(
-        self,
-        scheduler: BatchScheduler,
-        prompts: list[list[int]],
-        config: GenerationConfig,
-        on_event: Callable[[int, StepEvent, float], None] | None = None,
-        on_error: Callable[[Exception], None] | None = None,
-    ) -> None:
-        """config: every answer's (its seed varies by turn); on_event(conversation, event, time) sees every step."""
-        if not prompts:
-            raise ValueError("background load needs at least one prompt")
-        self.scheduler = scheduler
-        self.prompts = prompts
-        self.config = config
-        self.on_event = on_event
-        self.on_error = on_error
-        self._stops: list[threading.Event] = []
-        self._threads: list[threading.Thread] = []
-
-    @property
-    def count(self) -> int:
-        return len(self._stops)
-
-    def set(self, n: int) -> None:
-        """Run n background conversations: start the missing ones, stop the extra ones at their next step."""
-        if n < 0:
-            raise ValueError(f"background conversations must be ≥ 0, got {n}")
-        while len(self._stops) < n:
-            stop = threading.Event()
-            index = len(self._stops)
-            thread = threading.Thread(target=self._converse, args=(index, stop), daemon=True, name=f"load-{index}")
-            self._stops.append(stop)
-            self._threads.append(thread)
-            thread.start()
-        while len(self._stops) > n:
-            self._stops.pop().set()
-            self._threads.pop()
-
-    def _converse(self, index: int, stop: threading.Event) -> None:
-        session = EngineSession(self.scheduler.engine)
-        for turn in itertools.count():
-            prompt = self.prompts[(index + turn) % len(self.prompts)]
-            try:
-                config = dataclasses.replace(self.config, seed=turn)
-                for event in self.scheduler.stream(prompt, config, stop, session=session):
-                    if self.on_event is not None:
-                        self.on_event(index, event, time.perf_counter())
-            except Exception as e:  # a background conversation must never take the app down
-                if self.on_error is not None:
-                    self.on_error(e)
-                return
-            if stop.is_set():
-                return

@@ -27,12 +27,14 @@ export function connect() {
     render();
   };
   ws.onmessage = (e) => (typeof e.data === 'string' ? onJson(JSON.parse(e.data)) : onAudio(e.data));
-  ws.onclose = () => {
+  ws.onclose = (e) => {
     S.connected = false;
     S.status = null;
     S.micMode = null;
     render();
-    setTimeout(connect, 1500);
+    // 1013: the server is full (its session caps); 1008: this tab was refused or stopped reading. Say why.
+    if (e.code === 1013 || e.code === 1008) note(e.reason || 'The server closed this tab.', 'error');
+    setTimeout(connect, e.code === 1013 ? 10000 : 1500);
   };
 }
 

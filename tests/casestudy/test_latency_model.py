@@ -1,23 +1,17 @@
-"""The roofline latency model, the story it explains, and the casestudy command and tab built on it."""
+"""The roofline latency model and the story it explains (the casestudy command: tests/commands/test_casestudy.py)."""
 
 from __future__ import annotations
 
-import argparse
-import json
 from dataclasses import replace
 
 import pytest
 
-from app import casestudy
 from casestudy.latency_model import (
     DECODE_STAGE,
-    STORY,
     Scenario,
     VoiceStages,
     breakeven_concurrency,
-    calibrated_scenario,
     evaluate,
-    explain_story,
     fits_in_memory,
     modelled_forward_seconds,
     recommended_k,
@@ -25,6 +19,7 @@ from casestudy.latency_model import (
     solve_draft_cost_ratio,
     speedup_at,
 )
+from casestudy.story import STORY, calibrated_scenario, explain_story
 from specdec.metrics import expected_acceptance_rate, expected_speedup
 
 CONCURRENCY = [1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512]
@@ -160,76 +155,3 @@ def test_policy_follows_acceptance_and_draft_cost(scenario: Scenario) -> None:
     ks = [recommended_k(1, a, 0.1, scenario=scenario) for a in (0.5, 0.7, 0.9, 0.97)]
     assert ks == sorted(ks) and ks[-1] > ks[0]
     assert recommended_k(1, 0.3, 0.6, scenario=scenario) == 0  # a poor, expensive draft is never worth it
-
-
-# ------------------------------------------------------------------------------------------- casestudy
-
-
-def _args(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    casestudy.add_arguments(parser)
-    return parser.parse_args(list(argv))
-
-
-def test_casestudy_writes_table_plots_and_json(tmp_path, capsys) -> None:
-    out, js = tmp_path / "plots", tmp_path / "r.json"
-    assert casestudy.main(_args("--out", str(out), "--json", str(js), "--concurrency-sweep", "1", "64", "512")) == 0
-    rep = json.loads(js.read_text())
-    for key in (
-        "baseline_tokens_per_s",
-        "speculative_tokens_per_s",
-        "baseline_ttfa_ms",
-        "speculative_ttfa_ms",
-        "stages",
-        "implied",
-        "batch",
-    ):
-        assert key in rep
-    assert set(rep["stages"]) == {"baseline", "speculative"}
-    assert rep["implied"]["sentences"] and rep["implied"]["c_required"] > 0
-    assert [r["concurrency"] for r in rep["batch"]] == [1, 64, 512]
-    assert rep["batch"][0]["speedup"] > 1 > rep["batch"][-1]["speedup"]
-    assert rep["speculative_tokens_per_s"] == pytest.approx(explain_story().speculative_tokens_per_s)
-    for name in ("speed_vs_alpha.png", "speedup_vs_concurrency.png"):
-        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    printed = capsys.readouterr().out
-    assert "TTFA" in printed and "What the story's figures imply" in printed
-
-
-def test_casestudy_overrides_change_the_numbers(tmp_path) -> None:
-    def numbers(*argv: str) -> dict:
-        js = tmp_path / "r.json"
-        assert casestudy.main(_args("--no-plots", "--json", str(js), *argv)) == 0
-        return json.loads(js.read_text())
-
-    base = numbers()
-    low = numbers("--acceptance-rate", "0.5")
-    assert low["speculative_tokens_per_s"] < base["speculative_tokens_per_s"]
-    assert numbers("--alpha", str(base["inputs"]["alpha"]))["speculative_tokens_per_s"] == pytest.approx(
-        base["speculative_tokens_per_s"]
-    )
-    fast = numbers("--gpu-bandwidth-tbs", "4", "--gpus", "8")
-    assert fast["baseline_tokens_per_s"] == pytest.approx(4 * base["baseline_tokens_per_s"])
-    more = numbers("--first-chunk-tokens", "20")
-    assert more["baseline_ttfa_ms"] > base["baseline_ttfa_ms"]
-    busy = numbers("--concurrency", "512")
-    assert busy["speculative_tokens_per_s"] < busy["baseline_tokens_per_s"]
-
-
-def test_casestudy_rejects_bad_inputs(capsys) -> None:
-    assert casestudy.main(_args("--no-plots", "--alpha", "1.5")) == 2
-    assert "α" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        _args("--alpha", "0.8", "--acceptance-rate", "0.7")
-
-
-def test_case_study_tab_builds_and_updates() -> None:
-    gr = pytest.importorskip("gradio")
-    with gr.Blocks():
-        tab = casestudy.build_tab()
-    assert tab.label == "Case study"
-    s = calibrated_scenario()
-    idle, _ = casestudy.tab_outputs(s.alpha, 4, 0.114, 70.6, 2.0, 4, 7.3, 1)
-    busy, fig = casestudy.tab_outputs(s.alpha, 4, 0.114, 70.6, 2.0, 4, 7.3, 512)
-    assert "76." in idle and "Best K here: **0**" in busy
-    assert fig.axes  # a plot came with the numbers

@@ -20,7 +20,6 @@ from casestudy.latency_model import (
     MIN_GAIN,
     Scenario,
     breakeven_concurrency,
-    calibrated_scenario,
     compute_seconds,
     evaluate,
     memory_seconds,
@@ -28,6 +27,7 @@ from casestudy.latency_model import (
     ridge_tokens,
     solve_draft_cost_ratio,
 )
+from casestudy.story import calibrated_scenario
 from specdec.metrics import (
     alpha_from_acceptance_rate,
     expected_acceptance_rate,

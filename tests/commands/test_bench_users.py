@@ -11,15 +11,9 @@ import threading
 import numpy as np
 import pytest
 
-from commands.bench_users import (
-    ClientTurn,
-    Utterance,
-    add_arguments,
-    bench_users,
-    is_mixed,
-    load_utterances,
-    summarize_run,
-)
+from app.protocol import FLAG_REPLAY, pack_audio
+from commands.bench_users import add_arguments, bench_users, is_mixed, load_utterances, summarize_run
+from commands.voice_client import ClientTurn, Utterance, answer_audio_s
 from pipeline.wer import word_error_rate
 from specdec.models import asset_path
 from tests.support.browser import running_app, shared_agent, wait_ready
@@ -47,6 +41,22 @@ def test_a_turn_is_mixed_when_it_is_nearer_another_clients_question():
     # Without a known text, the transcript heard in the warm-up pass is the reference.
     bare = [Utterance(u.name, u.audio, heard=u.text) for u in group]
     assert not is_mixed(own, bare[0], bare) and is_mixed(own, bare[1], bare)
+    # A warm-up that heard no words ("...") gives no reference, and no error: the written text still counts.
+    assert Utterance("capital", capital.audio, heard="...").references() == []
+    wordless = [Utterance(u.name, u.audio, u.text, heard="...") for u in group]
+    assert not is_mixed(own, wordless[0], wordless) and is_mixed(own, wordless[1], wordless)
+
+
+def test_a_clients_answer_audio_is_its_turns_packets_without_replays():
+    second = np.zeros(16000, np.float32)
+    seen = [
+        {"type": "token"},
+        pack_audio(second, turn=3, seq=0, rate=16000, server_ms=0.0),
+        pack_audio(second[:8000], turn=3, seq=1, rate=16000, server_ms=0.0),
+        pack_audio(second, turn=2, seq=0, rate=16000, server_ms=0.0),  # another turn's
+        pack_audio(second, turn=3, seq=0, rate=16000, server_ms=0.0, flags=FLAG_REPLAY),  # a replay, not the answer
+    ]
+    assert answer_audio_s(seen, 3) == 1.5 and answer_audio_s(seen, 4) == 0.0
 
 
 def test_busy_is_counted_apart_from_lost_and_errors_over_every_client():
@@ -59,6 +69,9 @@ def test_busy_is_counted_apart_from_lost_and_errors_over_every_client():
     extra = [ClientTurn(4, "egg", "left", True, errors=["answer failed: boom"])]
     run = summarize_run(4, turns, extra, {"passed": True})
     assert (run["turns_sent"], run["turns_answered"], run["busy"], run["lost"]) == (4, 2, 1, 1)
+    assert run["silent"] == 2  # answered, but no audio reached either client
+    turns[0].audio_s = 1.2
+    assert summarize_run(4, turns, extra)["silent"] == 1
     assert run["server_errors"] == 1 and run["mixed"] == 0
     assert run["ttfa_ms_p50"] == 500.0 and 400.0 < run["ttfa_ms_p95"] <= 600.0  # interpolated, never beyond
     assert summarize_run(1, [ClientTurn(0, "egg", "busy")])["ttfa_ms_p50"] is None
@@ -93,8 +106,8 @@ class HeldLLM:
 def test_many_users_at_once_on_the_tiny_engine(monkeypatch):
     agent = shared_agent()
     permits, holding = threading.Semaphore(0), threading.Event()
-    per_conversation = agent.llm_for_conversation
-    monkeypatch.setattr(agent, "llm_for_conversation", lambda: HeldLLM(per_conversation(), permits, holding))
+    per_conversation = agent.llm.for_conversation
+    monkeypatch.setattr(agent.llm, "for_conversation", lambda: HeldLLM(per_conversation(), permits, holding))
     utterances = load_utterances(asset_path("utterances"))[:3]
 
     def release(admitted: int) -> None:  # a group was admitted or refused: its admitted answers may go
@@ -106,7 +119,7 @@ def test_many_users_at_once_on_the_tiny_engine(monkeypatch):
         holding.set()  # after the loader's own warm-up turns
         one, three = bench_users(app.url, utterances, [1, 3], disconnect_one=True, on_admitted=release, progress=print)
     for run in (one, three):
-        assert (run["lost"], run["mixed"], run["server_errors"]) == (0, 0, 0), run
+        assert (run["lost"], run["silent"], run["mixed"], run["server_errors"]) == (0, 0, 0, 0), run
         ttfa = [t["ttfa_ms"] for t in run["turns"] if t["outcome"] == "answered"]
         assert min(ttfa) > 250 and run["ttfa_ms_p50"] == statistics.median(ttfa)  # the hang-over is in TTFA
     assert (one["turns_answered"], one["busy"], one["disconnect"]) == (1, 0, None)

@@ -1,22 +1,9 @@
 """The console script end to end on the tiny random models: generate and bench write what they promise."""
 
 import json
-import subprocess
-import sys
 
-from tests.support.engine import ROOT
+from tests.support.cli import specvoice
 from tests.support.speech import needs_espeak
-
-
-def specvoice(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "commands.cli", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=check,
-    )
 
 
 def test_generate_writes_tokens_and_metrics(tiny_engine, tmp_path):

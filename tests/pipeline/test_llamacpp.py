@@ -5,7 +5,6 @@ stand-in Llama), and bench reports it. One `models` test runs the real thing whe
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import types
 from pathlib import Path
@@ -16,7 +15,7 @@ from specdec import models
 from specdec.bench import summarize
 from specdec.llamacpp import LlamaCppModel, LlamaCppRun, import_llama_cpp
 from specdec.metrics import DEFINITIONS, SpecStats
-from tests.support.engine import ROOT
+from tests.support.cli import specvoice
 
 
 @pytest.fixture
@@ -221,19 +220,8 @@ def test_summary_reports_llamacpp_beside_ours():
     assert "decode_tokens_per_s" in DEFINITIONS
 
 
-def specvoice(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "commands.cli", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-
-
 def test_bench_help_shows_the_flag():
-    proc = specvoice("bench", "--help")
+    proc = specvoice("bench", "--help", check=False)
     assert proc.returncode == 0 and "--llamacpp" in proc.stdout
 
 
@@ -248,7 +236,16 @@ def test_bench_llamacpp_refuses_clearly_before_loading(tmp_path, args, message):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "hi"}) + "\n")
     proc = specvoice(
-        "bench", *args, "--draft", "none", "--prompts", str(prompts), "--json", str(tmp_path / "o.json"), "--llamacpp"
+        "bench",
+        *args,
+        "--draft",
+        "none",
+        "--prompts",
+        str(prompts),
+        "--json",
+        str(tmp_path / "o.json"),
+        "--llamacpp",
+        check=False,
     )
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
 

@@ -13,6 +13,7 @@ import pytest
 from pipeline.agent import AgentConfig, VoiceAgent
 from pipeline.asr import Transcriber
 from pipeline.audio import AudioError
+from pipeline.llm_provider import SharedProvider
 from pipeline.timeline import MARKS, STAGES, Timeline
 from pipeline.turn_end import TurnEnd
 from tests.support.engine import ROOT
@@ -39,7 +40,7 @@ def scripted_agent(
     transcriber, answer="Sure, the capital of France is Paris. It is also its largest city.", step_s=0.01, tts=None
 ):
     llm = ScriptedLLM(answer, step_s)
-    return VoiceAgent(AgentConfig(), llm=llm, transcriber=transcriber, tts=tts or FakeTTS()), llm
+    return VoiceAgent(AgentConfig(), SharedProvider(llm), transcriber, tts or FakeTTS()), llm
 
 
 def test_timeline_stages_add_up_to_ttfa():
@@ -174,7 +175,7 @@ def test_say_on_the_real_default_models(real_models, tmp_path):
 
 def test_remote_openai_compatible_server_as_llm_stage():
     """--llm-url: the same turn through a server speaking vLLM's wire format and Prometheus counters."""
-    from fake_vllm import FakeVLLM
+    from tests.support.fake_vllm import FakeVLLM
 
     with FakeVLLM(reply="Paris is the capital of France. It sits on the Seine.") as fake:
         agent = VoiceAgent(AgentConfig(llm_url=fake.url), transcriber=NoASR(), tts=FakeTTS())
@@ -183,14 +184,29 @@ def test_remote_openai_compatible_server_as_llm_stage():
     assert 0 < d["draft_acceptance_rate"] <= 1 and d["ttfa_ms"] > 0
 
 
-def test_long_history_is_trimmed_to_fit_the_context(tiny_engine):
-    agent = VoiceAgent(
-        AgentConfig(engine=tiny_engine.spec, max_new_tokens=16, history_turns=50), transcriber=NoASR(), tts=FakeTTS()
-    )
+@pytest.mark.parametrize("budget, room", [(380, 380), (2048, 512 - 16)])  # the tiny model's context is 512
+def test_long_history_is_trimmed_to_fit_the_context(tiny_engine, budget, room):
+    """The whole prompt (system, history, the user's turn) fits the budget in tokens, and never more than the context
+    leaves beside the answer: the oldest exchanges go first. A turn over it on its own is a clear error."""
+    config = AgentConfig(engine=tiny_engine.spec, max_new_tokens=16, history_turns=50, prompt_tokens=budget)
+    agent = VoiceAgent(config, transcriber=NoASR(), tts=FakeTTS())
     conv = agent.new_conversation()
-    for i in range(12):  # the tiny model's context is 512 tokens; 12 exchanges of ~60 bytes overflow it
+    fit, prompts = conv.llm.prompt_ids, []
+
+    def recording(messages, stats=None):
+        prompts.append(fit(messages, stats))
+        return prompts[-1]
+
+    conv.llm.prompt_ids = recording
+    for i in range(12):  # 12 exchanges of ~60 bytes overflow both
         result = agent.respond(conv, f"question number {i}: " + "x" * 40, Timeline(), True)
         assert result.stats.tokens > 0
+    # filled to within one exchange (~100 of the tiny model's byte tokens) of the budget, never past it
+    assert room - 110 < max(len(p) for p in prompts) <= room
     assert any("dropped" in n for n in result.stats.notes)
-    with pytest.raises(ValueError, match="prompt is"):
+    last = conv.llm.tokenizer.decode(prompts[-1])
+    assert "question number 11" in last and "question number 10" in last and "question number 0:" not in last
+    kept = list(conv.history)
+    with pytest.raises(ValueError, match=f"prompt is .* tokens .* over the {room}-token limit"):
         agent.respond(conv, "y" * 600, Timeline(), True)
+    assert conv.history == kept  # nothing of the refused turn was remembered

@@ -1,3 +1,4 @@
+import argparse
 import importlib.util
 import inspect
 import time
@@ -5,9 +6,11 @@ import time
 import numpy as np
 import pytest
 
+from pipeline import tts as tts_module
 from pipeline.asr import Transcriber
 from pipeline.audio import to_mono_16k
-from pipeline.tts import ENGINES, TTS, HibariTTS, make_tts
+from pipeline.options import add_agent_arguments
+from pipeline.tts import ENGINES, TTS, HibariTTS, coqui_problem, coqui_problem_here, make_tts, offered_tts
 
 SENTENCE = "The capital of France is Paris."
 TWO_SENTENCES = "The capital of France is Paris. It is known for the Eiffel Tower."
@@ -63,14 +66,46 @@ def test_make_tts_by_name():
 
 
 def test_make_tts_unknown_lists_choices():
-    with pytest.raises(ValueError, match="hibari, piper, coqui"):
+    with pytest.raises(ValueError, match="choose one of: hibari, piper"):
         make_tts("festival")
     assert set(ENGINES) == {"hibari", "piper", "coqui"}
 
 
-@pytest.mark.skipif(importlib.util.find_spec("TTS") is not None, reason="Coqui TTS is installed here")
-def test_coqui_missing_is_a_clear_error():
-    with pytest.raises(RuntimeError, match="pip install coqui-tts"):
+def test_coqui_problem_says_why_and_what_to_install():
+    assert "pip install coqui-tts" in coqui_problem(installed=False, cuda=True)
+    assert "pip install coqui-tts" in coqui_problem(installed=False, cuda=False)
+    assert "CPU-only torch" in coqui_problem(installed=True, cuda=False)
+    assert coqui_problem(installed=True, cuda=True) is None
+
+
+def agent_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    add_agent_arguments(parser)
+    return parser
+
+
+def test_coqui_is_offered_only_where_it_can_load(monkeypatch, capsys):
+    monkeypatch.setattr(tts_module, "coqui_problem_here", lambda: "Coqui TTS cannot run on a CPU-only torch")
+    assert offered_tts() == ["hibari", "piper"]
+    parser = agent_parser()
+    assert "hibari, piper (default hibari); not coqui here: Coqui TTS cannot run on a CPU-only torch" in " ".join(
+        parser.format_help().split()
+    )
+    assert parser.parse_args(["--tts", " Piper"]).tts == "piper"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--tts", "coqui"])
+    assert "argument --tts: Coqui TTS cannot run on a CPU-only torch" in capsys.readouterr().err
+    with pytest.raises(RuntimeError, match="CPU-only torch"):
+        make_tts("coqui")
+    # Where it can load, it is offered and chosen like the others.
+    monkeypatch.setattr(tts_module, "coqui_problem_here", lambda: None)
+    assert offered_tts() == ["hibari", "piper", "coqui"]
+    assert agent_parser().parse_args(["--tts", "coqui"]).tts == "coqui"
+
+
+@pytest.mark.skipif(coqui_problem_here() is None, reason="Coqui TTS can load here")
+def test_coqui_here_is_refused_with_the_reason():
+    with pytest.raises(RuntimeError, match="pip install coqui-tts|CPU-only torch"):
         make_tts("coqui")
 
 

@@ -10,6 +10,7 @@ import pytest
 from pipeline.agent import AgentConfig, VoiceAgent
 from pipeline.audio import SAMPLE_RATE
 from pipeline.llm import EngineLLM, ReplyStats
+from pipeline.llm_provider import SharedProvider
 from pipeline.preemptive import ChildCancel, Hold
 from pipeline.timeline import STAGES, Timeline
 from pipeline.turn_end import TurnEnd, how_finished
@@ -137,7 +138,7 @@ def spoken(*pieces: str | float) -> tuple[np.ndarray, list[float]]:
 
 def agent_with(asr, answer="Ottawa is the capital of Canada.", **config):
     llm = ScriptedLLM(answer, step_s=0.02)
-    return VoiceAgent(AgentConfig(**config), llm=llm, transcriber=asr, tts=FakeTTS()), llm
+    return VoiceAgent(AgentConfig(**config), SharedProvider(llm), asr, FakeTTS()), llm
 
 
 @needs_espeak

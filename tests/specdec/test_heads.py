@@ -238,9 +238,8 @@ def test_shipped_heads_fit_the_default_target():
 
 def test_assets_are_found_beside_the_source_or_in_the_working_directory(tmp_path, monkeypatch):
     """An installed package run from its source folder (the Docker image) finds assets/ in the working directory."""
-    from conftest import ROOT
-
     from specdec.models import asset_path
+    from tests.support.engine import ROOT
 
     (tmp_path / "assets" / "extra").mkdir(parents=True)
     (tmp_path / "assets" / "extra" / "f.txt").write_text("x")

@@ -15,7 +15,7 @@ from specdec.kv import PENDING
 from specdec.metrics import expected_tokens_per_step
 from specdec.runner import BatchRunner, Feed
 from specdec.sampling import SamplingParams
-from specdec.scheduler import BackgroundLoad, BatchScheduler, LoadEstimate, choose_ks
+from specdec.scheduler import BatchScheduler, LoadEstimate, choose_ks
 from tests.support.engine import draft_factory, heads_engine, make_engine, target_only, tiny_prompts
 
 
@@ -343,33 +343,6 @@ def test_an_answer_may_opt_out_of_the_load_aware_k(tiny_engine):
     assert all(ev.k_chosen == 0 for ev in aware_events)
     assert any(ev.k_chosen == 3 for ev in own_events)
     assert [aware, own] == [target_only(target, p, 20) for p in prompts]
-
-
-def test_background_load_runs_and_stops(tiny_engine):
-    target, draft = tiny_engine.models
-    scheduler = BatchScheduler(batched_engine(target, draft_factory(draft)))
-    errors: list[Exception] = []
-    seen: list[int] = []
-    load = BackgroundLoad(
-        scheduler,
-        tiny_prompts(target, 2, seed=17),
-        GenerationConfig(8),
-        on_event=lambda i, ev, t: seen.append(i),
-        on_error=errors.append,
-    )
-    load.set(2)
-    prompt = tiny_prompts(target, 1, seed=18)[0]
-    tokens, events = collect(scheduler.stream(prompt, GenerationConfig(30)))
-    assert tokens == target_only(target, prompt, 30)
-    assert max(ev.batch_size for ev in events) == 3
-    load.set(0)
-    for _ in range(200):
-        if scheduler.active == 0:
-            break
-        threading.Event().wait(0.05)
-    assert scheduler.active == 0 and load.count == 0 and not errors and set(seen) == {0, 1}
-    with pytest.raises(ValueError):
-        load.set(-1)
 
 
 def test_an_unexpected_failure_ends_the_answers_in_the_step_not_the_scheduler(tiny_engine):

@@ -23,7 +23,7 @@ from commands.bench_heard import CHROMIUM as CHROMIUM
 from commands.bench_heard import CHROMIUM_ARGS as CHROMIUM_ARGS
 from commands.bench_heard import free_port as free_port
 from commands.bench_heard import serving, tiny_config
-from commands.bench_users import recv_until as recv_until  # the WebSocket client's reader, shared with bench-users
+from commands.voice_client import recv_until as recv_until  # the WebSocket client's reader, shared with bench-users
 from pipeline.agent import AgentConfig, VoiceAgent
 from pipeline.audio import SAMPLE_RATE
 
@@ -82,7 +82,7 @@ def wait_ready(app: RunningApp, timeout: float = 60) -> None:
 
 def utterance_wav(path: str | os.PathLike[str], text: str, lead_s: float = 0.5, tail_s: float = 4.0) -> float:
     """Speech padded with silence (Chromium's fake capture loops the file); returns the speech's length in s."""
-    from speech import speak
+    from tests.support.speech import speak
 
     speech = speak(text, rate=SAMPLE_RATE)
     pad = [np.zeros(int(s * SAMPLE_RATE), np.float32) for s in (lead_s, tail_s)]

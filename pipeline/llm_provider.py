@@ -1,0 +1,122 @@
+"""Where each conversation's LLM stage comes from, built from the configuration: the in-process speculative engine
+(every conversation with its own KV caches, all batched through one scheduler), or one stage shared by all (an
+OpenAI-compatible server, or a test's fake). The provider warms its stages up before anyone waits."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from specdec.build import EngineSpec, build_engine
+from specdec.cost_grid import cached_forward_costs
+from specdec.engine import EngineSession, SpeculativeEngine
+from specdec.sampling import SamplingParams
+from specdec.scheduler import PREFILL_CHUNK, BatchScheduler
+from specdec.tokenizer import shared_prefix_ids
+
+from .llm import SYSTEM_PROMPT, EngineLLM, LLMStage, ReplyStats
+
+LLM_WARMUP_STEPS = ("forward costs for the load-aware K", "LLM, speculation off", "LLM, speculation on")
+
+
+@dataclass
+class LLMConfig:
+    engine: EngineSpec = field(default_factory=EngineSpec)
+    max_new_tokens: int = 80
+    # The whole prompt (system, history, the user's turn) in tokens, the oldest turns dropped first: a batch step
+    # re-reads at most this much of one conversation. Capped by the model's context less max_new_tokens.
+    prompt_tokens: int = 2048
+    prefill_chunk: int = PREFILL_CHUNK  # batched: a prompt is read this many tokens per step, beside the others'
+    system_prompt: str = SYSTEM_PROMPT
+    temperature: float = 0.0
+    seed: int = 0
+    llm_url: str | None = None  # an OpenAI-compatible server (e.g. vLLM) instead of the in-process engine
+    llm_url_no_spec: str | None = None  # optional target-only server, for speculation-off turns
+
+
+class LLMProvider:
+    """Gives each conversation its LLM stage. engine and scheduler: the in-process engine's, else None."""
+
+    engine: SpeculativeEngine | None = None
+    scheduler: BatchScheduler | None = None
+
+    def __init__(self, system_prompt: str) -> None:
+        self.system_prompt = system_prompt
+
+    def for_conversation(self) -> LLMStage:
+        raise NotImplementedError
+
+    def rewind(self, llm: LLMStage) -> None:
+        """Back to the state a paired run starts from: nothing is kept between turns unless a subclass keeps it."""
+
+    def warmup(self, progress: Callable[[int], None] = lambda step: None) -> None:
+        """Pay the first-call costs (kernels for both LLM modes, the forward costs the load-aware K reads) before
+        anyone waits; progress(i) as LLM_WARMUP_STEPS[i] starts."""
+        progress(0)
+        self._measure_forward_costs()
+        llm = self.for_conversation()
+        hi = [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": "Say hi."}]
+        for step, speculation in enumerate((False, True), start=1):
+            progress(step)
+            for _ in llm.stream_reply(hi, speculation, ReplyStats()):
+                pass
+
+    def _measure_forward_costs(self) -> None:
+        pass
+
+
+class SharedProvider(LLMProvider):
+    """One stage for every conversation: a remote server keeps no per-conversation state here."""
+
+    def __init__(self, llm: LLMStage, system_prompt: str = SYSTEM_PROMPT) -> None:
+        super().__init__(system_prompt)
+        self.llm = llm
+
+    def for_conversation(self) -> LLMStage:
+        return self.llm
+
+
+class EngineProvider(LLMProvider):
+    """The in-process engine: each conversation keeps its KV caches between turns, the system prompt prefilled once;
+    with config.engine.batched, every conversation's steps share the scheduler's forwards."""
+
+    def __init__(self, config: LLMConfig) -> None:
+        super().__init__(config.system_prompt)
+        self.config = config
+        self.engine, _ = build_engine(config.engine)
+        if config.engine.batched:  # load-aware once warmup has measured the forward costs
+            self.scheduler = BatchScheduler(self.engine, prefill_chunk=config.prefill_chunk)
+        self.shared_prefix = shared_prefix_ids(self.engine.target.tokenizer, config.system_prompt)
+
+    def for_conversation(self) -> EngineLLM:
+        session = EngineSession(self.engine)
+        session.prefill(self.shared_prefix)  # the system prompt is paid once per conversation, not per turn
+        c = self.config
+        sampling = SamplingParams(c.temperature)
+        return EngineLLM(self.engine, c.max_new_tokens, sampling, c.seed, session, self.scheduler, c.prompt_tokens)
+
+    def rewind(self, llm: LLMStage) -> None:
+        """Only the shared system-prompt prefix stays cached."""
+        session = getattr(llm, "session", None)  # an EngineLLM's, or a wrapper's that passes it on
+        if session is not None:
+            session.rollback(len(self.shared_prefix))
+
+    def _measure_forward_costs(self) -> None:
+        if self.scheduler is not None and self.config.engine.load_aware:
+            # the ridge, measured here once per machine, model and format (~30 s), then read from the cache
+            self.scheduler.costs, _ = cached_forward_costs(self.engine)
+
+
+def provider_from_config(config: LLMConfig) -> LLMProvider:
+    """The remote server's stage when config.llm_url is set, else the in-process engine's."""
+    if not config.llm_url:
+        return EngineProvider(config)
+    from .remote_llm import OpenAICompatibleLLM
+
+    remote = OpenAICompatibleLLM(
+        config.llm_url,
+        base_url_no_spec=config.llm_url_no_spec,
+        max_tokens=config.max_new_tokens,
+        temperature=config.temperature,
+    )
+    return SharedProvider(remote, config.system_prompt)
