@@ -25,7 +25,7 @@ from pipeline.agent import AgentConfig, VoiceAgent
 from pipeline.options import add_agent_arguments, agent_config_from_args, positive_int
 from pipeline.timeline import STAGES
 
-from . import page, protocol
+from . import heap, page, protocol
 from .background import LoadControl, simulated_users
 from .guard import AllowedList, Guard, header_timeout_protocol, host_name, web_origin
 from .host import AnswerSlots
@@ -100,6 +100,7 @@ class AppServer:
         options: ServerOptions | None = None,
         build: Callable[[Callable[[int], None]], VoiceAgent] | None = None,
     ) -> None:
+        heap.limit_arenas()  # before the loader's and the tabs' threads allocate
         self.options = options or ServerOptions()
         self.slots = AnswerSlots(self.options.max_concurrent_answers)
         self.sessions: dict[str, ClientSession] = {}
@@ -186,6 +187,7 @@ class AppServer:
             session.close()
             self.sessions.pop(token, None)
         del session  # nothing else holds it: freed now, not after the close below
+        asyncio.get_running_loop().run_in_executor(None, heap.return_free_memory)
         if refusal is not None:  # the tab stopped reading: say why, but do not wait long on a peer that reads nothing
             with contextlib.suppress(asyncio.TimeoutError, WebSocketDisconnect, RuntimeError):
                 await asyncio.wait_for(ws.close(CLOSE_SLOW_READER, refusal), CLOSE_WAIT_S)

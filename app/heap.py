@@ -1,0 +1,36 @@
+"""The server process's heap. glibc keeps what a thread frees in that thread's arena (up to 8 per core) and gives it
+back to the OS only at the arena's top, so a long-running server's RSS climbs with every tab even when no object
+leaks (measured: +98 MB over 100 tabs on the tiny models; `specvoice bench-server`). Two arenas and a trim after
+each closed tab keep it flat. Elsewhere than glibc both are no-ops."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+
+M_ARENA_MAX = -8  # mallopt's parameter number (malloc.h)
+SERVER_ARENAS = 2  # the threads share the GIL, so they hardly contend for malloc either
+
+
+@functools.cache
+def _glibc() -> ctypes.CDLL | None:
+    with contextlib.suppress(OSError):
+        libc = ctypes.CDLL("libc.so.6")
+        if hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt"):
+            return libc
+    return None
+
+
+def limit_arenas() -> None:
+    """Before the server's threads start: arenas made after this are capped at SERVER_ARENAS."""
+    libc = _glibc()
+    if libc is not None:
+        libc.mallopt(M_ARENA_MAX, SERVER_ARENAS)
+
+
+def return_free_memory() -> None:
+    """Give the heap's free pages back to the OS (every arena's), e.g. after a tab closed."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
