@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 
 from .engine import SpeculativeEngine
+from .kv import Feed
 from .models import cache_dir
 from .quant import CALIBRATION_TEXT
-from .runner import Feed
 from .timing import median_seconds
 
 

@@ -18,7 +18,7 @@ from .sampling import SamplingParams, logits_to_probs, sample
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from .engine import StepEvent
+    from .events import StepEvent
     from .kv import SequenceCache
 
 

@@ -11,11 +11,12 @@ from dataclasses import dataclass, field
 import torch
 
 from .drafters import Drafter, NGramDrafter, Proposal
+from .events import StepEvent
 from .kpolicy import KPolicy, SpeculationGovernor
-from .kv import SequenceCache
+from .kv import Feed, SequenceCache
 from .metrics import SpecStats
 from .models import LoadedModel
-from .runner import BatchRunner, Feed
+from .runner import BatchRunner
 from .sampling import SamplingParams, greedy_verdict, logits_to_probs, sampled_verdict
 from .timing import clock
 
@@ -32,31 +33,6 @@ class GenerationConfig:
     speculate: bool = True
     k_policy: Callable[[], KPolicy] | None = None  # overrides the engine's default K policy for this answer
     load_aware: bool = True  # in a load-aware BatchScheduler: K capped by load (else the K policy's K, load or not)
-
-
-@dataclass(kw_only=True)
-class StepEvent:
-    """One target forward pass and what it emitted. Every learner (SpecStats, KPolicy, SpeculationGovernor, the
-    scheduler's LoadEstimate, the drafter) observes this one record, and its names are the wire's."""
-
-    step: int
-    tokens: list[int]  # emitted this step: accepted drafts, then the target's own token
-    from_draft: list[bool]  # per emitted token: True if it was an accepted draft
-    speculative: bool = False  # a drafter ran before this forward (it may have proposed nothing)
-    k_chosen: int = 0  # metrics.DEFINITIONS["k_chosen"]: drafts asked for (0: a plain target step)
-    draft_tokens: list[int] = field(default_factory=list)  # proposed (past the gate; none past the answer's end)
-    accepted: int = 0  # of those, accepted
-    draft_forwards: int = 0
-    draft_seconds: float = 0.0
-    verify_seconds: float = 0.0
-    note: str = ""  # why speculation changed state, if it did
-    finish_reason: str | None = None  # "eos", "length", "context", "cancelled" on the last event
-    batch_size: int = 1  # sequences that shared this target forward (continuous batching)
-
-    @property
-    def drafted(self) -> int:
-        """Draft tokens proposed this step."""
-        return len(self.draft_tokens)
 
 
 DRAFTER_KINDS = ("draft-model", "heads", "ngram")  # what a conversation may switch to (the engine's own or n-gram)

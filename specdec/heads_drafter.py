@@ -15,7 +15,7 @@ from .sampling import SamplingParams
 from .tokenizer import common_prefix_length
 
 if TYPE_CHECKING:
-    from .engine import StepEvent
+    from .events import StepEvent
     from .kv import SequenceCache
 
 # --draft-min-prob's default for heads: none. With verification nearly flat (the w8a8 target's 1 … 5-token forwards

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Protocol
 from .metrics import expected_speedup
 
 if TYPE_CHECKING:
-    from .engine import StepEvent
+    from .events import StepEvent
 
 
 class KPolicy(Protocol):

@@ -4,14 +4,12 @@ the rest to be overwritten. The single and the batched path use this one cache (
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from .tokenizer import common_prefix_length
-
-if TYPE_CHECKING:
-    from .runner import BatchRunner
 
 MIN_CAPACITY = 256  # positions a sequence first allocates; doubled as it grows
 PENDING = -1  # a cached position whose token is still on the device (a draft fed before the step's one read)
@@ -31,8 +29,36 @@ def grown(t: torch.Tensor, dim: int, needed: int) -> torch.Tensor:
     return out
 
 
+@dataclass
+class Feed:
+    """What one sequence asks of a forward: make its cache hold `tokens` followed by `drafts` (a device tensor, fed
+    as PENDING positions), and return the logits of the last n_logits positions (at least that many are fed, re-
+    feeding cached ones if needed, so row i always lines up with position len − n_logits + i)."""
+
+    cache: SequenceCache
+    tokens: list[int]
+    n_logits: int = 1
+    drafts: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens) + (0 if self.drafts is None else len(self.drafts))
+
+
+class Runner(Protocol):
+    """What a cache asks of the forward that fills it (runner.BatchRunner): its shapes, and one forward."""
+
+    kv_heads: int
+    head_dim: int
+    n_layers: int
+    dtype: torch.dtype
+    device: torch.device
+
+    def extend(self, feeds: list[Feed]) -> list[torch.Tensor]: ...
+
+
 class SequenceCache:
-    def __init__(self, runner: BatchRunner) -> None:
+    def __init__(self, runner: Runner) -> None:
         self.runner = runner
         self.tokens: list[int] = []  # what positions 0 … len − 1 hold (PENDING where not yet read back)
         empty = (runner.kv_heads, 0, runner.head_dim)  # per layer [kv_heads, capacity, dim], allocated by reserve
@@ -66,8 +92,6 @@ class SequenceCache:
 
     def extend(self, tokens: list[int], n_logits: int = 1, drafts: torch.Tensor | None = None) -> torch.Tensor:
         """Make the cache hold tokens (+ drafts, a device tensor); logits (n, V) of the last n_logits positions."""
-        from .runner import Feed
-
         return self.runner.extend([Feed(self, tokens, n_logits, drafts)])[0]
 
     def reserve(self, length: int) -> None:

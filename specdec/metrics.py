@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .engine import StepEvent
+    from .events import StepEvent
 
 DEFINITIONS: dict[str, str] = {
     "draft_acceptance_rate": "accepted draft tokens ÷ proposed draft tokens (vLLM's definition)",

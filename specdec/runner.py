@@ -12,34 +12,17 @@ rows are independent too). For Qwen2- and Llama-shaped models.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .attention import causal_attention, rotate, row_attention
-from .kv import PENDING, SequenceCache
+from .kv import PENDING, Feed, SequenceCache
 from .quant import keep_int8_matmul_eager
 from .timing import median_seconds
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
-
-
-@dataclass
-class Feed:
-    """What one sequence asks of a forward: make its cache hold `tokens` followed by `drafts` (a device tensor, fed
-    as PENDING positions), and return the logits of the last n_logits positions (at least that many are fed, re-
-    feeding cached ones if needed, so row i always lines up with position len − n_logits + i)."""
-
-    cache: SequenceCache
-    tokens: list[int]
-    n_logits: int = 1
-    drafts: torch.Tensor | None = None
-
-    @property
-    def length(self) -> int:
-        return len(self.tokens) + (0 if self.drafts is None else len(self.drafts))
 
 
 class BatchRunner:

@@ -133,6 +133,9 @@ def test_many_users_at_once_on_the_tiny_engine(monkeypatch):
         "passed": True,
     }
     texts = {u.name: u.text for u in utterances}
-    for t in three["turns"]:  # each client was heard saying its own question
-        assert word_error_rate(texts[t["utterance"]], t["transcript"]) < 0.3, t
+    for t in three["turns"]:  # each answered client was heard saying its own question; the refused one not at all
+        if t["outcome"] == "answered":
+            assert word_error_rate(texts[t["utterance"]], t["transcript"]) < 0.3, t
+        else:  # its speech found no answer slot, so it was never transcribed (ASR runs under the same slots)
+            assert t["outcome"] == "busy" and t["transcript"] is None, t
     assert not app.server.sessions
