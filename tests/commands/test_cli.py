@@ -17,7 +17,8 @@ def test_generate_writes_tokens_and_metrics(tiny_engine, tmp_path):
 
 
 def test_generate_rejects_bad_input_clearly(tiny_engine):
-    proc = specvoice("generate", *tiny_engine.cli_args, "--prompt", "   ", check=False)
+    # In a fresh interpreter: what a user's terminal shows, a clear line and no traceback.
+    proc = specvoice("generate", *tiny_engine.cli_args, "--prompt", "   ", check=False, subprocess_run=True)
     assert proc.returncode == 2 and "empty prompt" in proc.stderr and "Traceback" not in proc.stderr
     proc = specvoice("generate", "--target", "nope", "--draft", "none", "--prompt", "hi", check=False)
     assert proc.returncode == 2 and "unknown model 'nope'" in proc.stderr
