@@ -85,11 +85,6 @@ class TurnResult:
         }
 
 
-def ab_order(index: int) -> tuple[bool, bool]:
-    """Speculation off/on order of the index-th paired run: alternating, so neither mode profits from going second."""
-    return (False, True) if index % 2 == 0 else (True, False)
-
-
 class Conversation:
     """One user's dialogue: bounded history and (for the in-process engine) KV caches kept between turns."""
 
