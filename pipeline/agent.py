@@ -13,6 +13,7 @@ import numpy as np
 
 from .asr import DEFAULT_BEAM_SIZE, DEFAULT_WINDOW_S, Transcriber
 from .audio import SAMPLE_RATE
+from .capacity import Capacity
 from .chunker import SpeechChunker
 from .listener import Notify, StartEarly, TurnListener
 from .llm import LLMStage, ReplyStats
@@ -177,10 +178,11 @@ class VoiceAgent:
         start_early: StartEarly | None = None,
         notify: Notify | None = None,
         turn_end: TurnEnd | None = None,
+        capacity: Capacity | None = None,
     ) -> TurnListener:
         """A listener for one turn of conv: with start_early (and config.preemptive) it starts answers at pauses;
         with conv (and config.prefill_while_speaking) it prefills the user's words as they come. turn_end: the
-        configured one unless given."""
+        configured one unless given; capacity: what its partial ASR passes share (none for one user)."""
         c = self.config
         prefill = None
         if conv is not None and c.prefill_while_speaking:
@@ -191,6 +193,7 @@ class VoiceAgent:
             start_early=start_early if c.preemptive else None,
             prefill=prefill,
             notify=notify,
+            capacity=capacity,
         )
 
     def turn_from_recording(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import threading
@@ -15,6 +16,7 @@ import torch
 from faster_whisper import WhisperModel
 
 from pipeline.audio import SAMPLE_RATE
+from pipeline.capacity import Capacity, NoLimit
 from specdec.models import cache_dir
 
 MODEL_CHOICES = ("tiny.en", "base")
@@ -195,11 +197,17 @@ class StreamingTranscriber:
     frame already ends ~0.1 s after the audible end. Measured on a 1.9 s espeak utterance fed in real time with
     the VAD and its 0.3 s hangover, 2 shared cores: finish() took 0.06-0.29 s (reuse, waiting at most for the call
     in flight) against 0.64-1.0 s for "wait for the call in flight, then transcribe the full buffer".
+
+    Given a capacity (the app's answer slots, over all tabs), each partial pass takes a slot or is skipped, so the
+    ASR of many speakers cannot crowd out the answers; the pass at a pause retries every RETRY_S until it gets one.
     """
 
-    def __init__(self, transcriber: Transcriber, interval_s: float = 0.5) -> None:
+    RETRY_S = 0.05  # how soon the pass at a pause tries again for a slot: the end of the turn waits on its words
+
+    def __init__(self, transcriber: Transcriber, interval_s: float = 0.5, capacity: Capacity | None = None) -> None:
         self._transcriber = transcriber
         self._interval_s = interval_s
+        self._capacity = capacity or NoLimit()  # partials share the answers' slots; finish() runs under the caller's
         self._chunks: list[np.ndarray] = []
         self._n = 0  # samples fed
         self._partial = ""
@@ -207,6 +215,7 @@ class StreamingTranscriber:
         self._busy = False
         self._urgent = False  # the speaker paused: transcribe now rather than at the next interval
         self._closed = False
+        self.passes_skipped = 0  # partial passes that found every slot taken
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="asr-partial", daemon=True)
         self._thread.start()
@@ -238,22 +247,36 @@ class StreamingTranscriber:
 
     def _run(self) -> None:
         last_start = time.monotonic()  # the first partial waits one interval: a 30 ms buffer is not worth a call
+        retry_at = 0.0
         while True:
             with self._cond:
                 while not self._closed:
-                    wait = last_start + self._interval_s - time.monotonic()
-                    if self._n > self._partial_n and (wait <= 0 or self._urgent):
+                    due = min(last_start + self._interval_s, retry_at if self._urgent else math.inf)
+                    now = time.monotonic()
+                    if self._n > self._partial_n and now >= due:
                         break
-                    self._cond.wait(timeout=wait if wait > 0 else None)
+                    self._cond.wait(timeout=due - now if due > now else None)
                 if self._closed:
                     return
+                self._busy = True
+            if not self._capacity.try_acquire():
+                # Every slot is answering: a partial waits for its next interval, the pass at a pause retries soon.
+                with self._cond:
+                    self.passes_skipped += 1
+                    self._busy = False
+                    self._cond.notify_all()
+                last_start = time.monotonic()
+                retry_at = last_start + self.RETRY_S
+                continue
+            with self._cond:
                 audio, n = self._snapshot()
-                self._busy, self._urgent = True, False
+                self._urgent = False
             last_start = time.monotonic()
             text: str | None = None
             try:
                 text = self._transcriber.transcribe(audio)
             finally:  # publish text and idleness together, and wake finish() even if the call raised
+                self._capacity.release()
                 with self._cond:
                     if text is not None:
                         self._partial, self._partial_n = text, n
@@ -272,12 +295,17 @@ class StreamingTranscriber:
             self._closed = True
             self._cond.notify_all()
 
-    def finish(self, trailing_silence_s: float = 0.0) -> str:
-        """Final transcript of everything fed. trailing_silence_s: how much of the end is known to be silence."""
+    def stop_partials(self) -> None:
+        """No more partial passes; returns once the one in flight, if any, is over and its slot released."""
         self.close()
         with self._cond:
-            while self._busy:  # a call in flight may already cover the speech: wait for it rather than start anew
+            while self._busy:
                 self._cond.wait()
+
+    def finish(self, trailing_silence_s: float = 0.0) -> str:
+        """Final transcript of everything fed. trailing_silence_s: how much of the end is known to be silence."""
+        self.stop_partials()  # a call in flight may already cover the speech: wait for it rather than start anew
+        with self._cond:
             speech_end = max(0, self._n - int(trailing_silence_s * SAMPLE_RATE))
             if self._partial_n >= speech_end:
                 return self._partial

@@ -11,6 +11,7 @@ import numpy as np
 
 from .asr import StreamingTranscriber, Transcriber
 from .audio import AudioError
+from .capacity import Capacity
 from .preemptive import Hold
 from .timeline import Timeline
 from .turn_end import TurnEnd
@@ -47,12 +48,13 @@ class TurnListener:
         start_early: StartEarly | None = None,
         prefill: Prefill | None = None,
         notify: Notify | None = None,
+        capacity: Capacity | None = None,
     ) -> None:
         self.turn_end = turn_end
         self.vad = EndOfTurnDetector(hangover_ms=turn_end.hangover_ms(None))
         # A whisper call costs ~0.2 s here (10 s window). Partials every second leave the ASR thread idle most of
         # the time, so the call started when the speaker pauses can begin at once.
-        self.asr = StreamingTranscriber(transcriber, interval_s=asr_interval_s)
+        self.asr = StreamingTranscriber(transcriber, interval_s=asr_interval_s, capacity=capacity)
         self.start_early, self.prefill, self.notify = start_early, prefill, notify
         self._pause_words: str | None = None  # what was said up to the current pause, once transcribed
         self._prefilled = ""

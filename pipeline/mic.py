@@ -12,12 +12,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Protocol
 
 import numpy as np
 
 from .agent import Conversation, VoiceAgent
 from .audio import SAMPLE_RATE, AudioError
+from .capacity import Capacity, NoLimit
 from .listener import StartEarly, TurnListener
 from .preemptive import Hold
 from .timeline import Timeline
@@ -31,29 +31,6 @@ Notify = Callable[[dict], None]
 # on_turn(transcript, timeline, audio, answered): a user turn, with its audio as the listener heard it; answered:
 # an early answer on these words was confirmed and is this turn's answer, else the turn still needs one
 OnTurn = Callable[[str, Timeline, np.ndarray | None, bool], None]
-
-
-class Capacity(Protocol):
-    """What limits heavy work over all tabs (the app's AnswerSlots): a slot is taken without waiting, or not."""
-
-    def try_acquire(self) -> bool: ...
-
-    def release(self) -> None: ...
-
-    def busy_message(self) -> str: ...
-
-
-class NoLimit:
-    """A Capacity that is never full."""
-
-    def try_acquire(self) -> bool:
-        return True
-
-    def release(self) -> None:
-        pass
-
-    def busy_message(self) -> str:
-        return "Busy."
 
 
 class MicInput:
@@ -212,7 +189,7 @@ class MicInput:
             self.interrupt("push-to-talk")  # pressing to talk while the agent speaks is a barge-in
             # The VAD must not end a held turn at a pause; the release does (or max_turn_s).
             held = TurnEnd("silence", silence_ms=self.max_turn_s * 1000)
-            self._new_listener(self.agent.listen(self._conv(), turn_end=held))
+            self._new_listener(self.agent.listen(self._conv(), turn_end=held, capacity=self.capacity))
         else:
             self.gate = self.gate or EndOfTurnDetector()  # only its speech_start is read
             self.gate.reset()
@@ -241,7 +218,7 @@ class MicInput:
             self.notify({"type": "vad", "event": "speech_start"})
             self.interrupt("barge-in")
             start_early = self._start_early if self.start_early is not None else None
-            self._new_listener(self.agent.listen(self._conv(), start_early, self.notify))
+            self._new_listener(self.agent.listen(self._conv(), start_early, self.notify, capacity=self.capacity))
             items, self.preroll = list(self.preroll), deque()
         else:
             items = [(chunk, t_start)]
@@ -279,6 +256,7 @@ class MicInput:
         # No speech: nothing to transcribe. An early answer still held has its slot (or is about to take one), and
         # that is this turn's: it needs no second.
         needs_slot = end is not None and not (self.early is not None and self.early.state == "held")
+        listener.asr.stop_partials()  # a partial pass in flight holds a slot: this turn must not be refused for it
         if needs_slot and not self.capacity.try_acquire():
             listener.close()  # its early answer, if any, is discarded
             said = f"Your {self.fed_s:.1f} s of speech was not transcribed."

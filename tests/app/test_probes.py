@@ -286,3 +286,26 @@ def test_a_spoken_ab_replay_honours_stop_and_disconnect(app, tracebacks, how):
         replay_s = len(speech) / 16000  # what a replay that ignores them goes on for
         assert wait_until(lambda: slot_free(app), replay_s / 2), f"{how} left the replay running"
     assert status_answers(app) and not tracebacks
+
+
+@needs_espeak
+@pytest.mark.parametrize("mode", ["ptt", "handsfree"])
+def test_speech_is_not_transcribed_while_every_answer_slot_is_taken(app, tracebacks, mode):
+    speech = speak("What is the tallest mountain in the whole of Europe, and how high is it?")
+    silence = np.zeros(8000, np.float32)
+    assert wait_until(lambda: slot_free(app), 30), "an earlier probe's answer still holds the slot"
+    assert app.server.slots.try_acquire()  # another tab's answer, as far as this one can tell
+    try:
+        with connect(app.ws_url, origin=app.url, max_size=None) as ws:
+            recv_until(ws, lambda m: m["type"] == "status")
+            ws.send(json.dumps({"type": "mic", "active": True, "mode": mode}))
+            send_speech(ws, np.concatenate([silence, speech, *[silence] * (1 if mode == "ptt" else 4)]))
+            if mode == "ptt":
+                ws.send(json.dumps({"type": "mic", "active": False, "mode": mode}))
+            busy, seen = recv_until(ws, lambda m: m["type"] in ("busy", "transcript"))
+            assert busy["type"] == "busy" and "not transcribed" in busy["message"], busy
+            partials = [m["text"] for m in seen if isinstance(m, dict) and m["type"] == "partial"]
+            assert not partials, f"partial transcripts ran beside a full server: {partials}"
+    finally:
+        app.server.slots.release()
+    assert status_answers(app) and not tracebacks

@@ -20,6 +20,7 @@ from websockets.sync.client import ClientConnection, connect
 
 from app.outbox import Outbox
 from app.protocol import FLAG_REPLAY, unpack_audio
+from commands.bench_server import wait_until
 from pipeline.paired import paired_runs
 from tests.support.browser import recv_until, running_app, wait_ready
 
@@ -108,15 +109,6 @@ def open_tab(app, **kwargs) -> Iterator[tuple[ClientConnection, str]]:
         yield ws, hello["token"]
 
 
-def wait_for(condition, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
-
-
 def answer_threads() -> int:
     return sum(t.name == "answer" for t in threading.enumerate())
 
@@ -178,7 +170,7 @@ def test_a_spoken_ab_replay_stops_on_stop(app):
         result, seen = recv_until(ws, lambda m: m["type"] in ("ab_result", "error"), timeout=10)
         assert result["type"] == "ab_result" and result["spoken"] and result["pairs"] == []
         assert not any(isinstance(m, dict) and m["type"] == "done" for m in seen)  # the cut run is not recorded
-    assert wait_for(app.server.slots.try_acquire, 5)  # its answer slot is free again
+    assert wait_until(app.server.slots.try_acquire, 5)  # its answer slot is free again
     app.server.slots.release()
 
 
@@ -219,8 +211,8 @@ def test_a_closed_session_is_freed_by_reference_counting(app):
             parts = (session, session.runner, session.mic, session.outbox, session.runner.conv)
             alive = [weakref.ref(part) for part in parts]
             del session, parts
-        assert wait_for(lambda: token not in app.server.sessions, 10)
-        assert wait_for(lambda: all(ref() is None for ref in alive), 10), [ref() for ref in alive]
+        assert wait_until(lambda: token not in app.server.sessions, 10)
+        assert wait_until(lambda: all(ref() is None for ref in alive), 10), [ref() for ref in alive]
         assert app.server.status()["background"] == 0  # the load this tab set ended with it
     finally:
         gc.enable()

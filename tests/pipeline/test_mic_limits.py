@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import threading
 import time
-from types import SimpleNamespace
 
 import numpy as np
 
@@ -45,13 +44,28 @@ class Slots:
         return "Busy: the test holds every slot."
 
 
+class FakeASR:
+    """The listener's streaming ASR; with a partial pass in flight it holds a slot until its partials stop."""
+
+    def __init__(self, slots: Slots, pass_in_flight: bool) -> None:
+        self.slots, self.partial = slots, ""
+        self.in_flight = pass_in_flight and slots.try_acquire()
+
+    def stop_partials(self) -> None:
+        if self.in_flight:
+            self.in_flight = False
+            self.slots.release()
+
+
 class FakeListener:
     """Hears WORDS; ends the turn after end_after_s of audio (hands-free) or when stopped (push-to-talk); with
     start_early, starts an early answer at its first audio, as a pause would."""
 
-    def __init__(self, slots: Slots, start_early=None, end_after_s: float | None = None) -> None:
+    def __init__(
+        self, slots: Slots, start_early=None, end_after_s: float | None = None, pass_in_flight: bool = False
+    ) -> None:
         self.slots, self.start_early, self.end_after_s = slots, start_early, end_after_s
-        self.asr = SimpleNamespace(partial="")
+        self.asr = FakeASR(slots, pass_in_flight)
         self.fed_samples = 0
         self.hold: Hold | None = None
         self.finished_with_in_use: int | None = None  # slots in use while the final transcription ran
@@ -82,12 +96,13 @@ class FakeListener:
 
 
 class FakeAgent:
-    def __init__(self, slots: Slots, end_after_s: float | None = None) -> None:
-        self.slots, self.end_after_s = slots, end_after_s
+    def __init__(self, slots: Slots, end_after_s: float | None = None, pass_in_flight: bool = False) -> None:
+        self.slots, self.end_after_s, self.pass_in_flight = slots, end_after_s, pass_in_flight
         self.listeners: list[FakeListener] = []
 
-    def listen(self, conv=None, start_early=None, notify=None, turn_end=None) -> FakeListener:
-        listener = FakeListener(self.slots, start_early, self.end_after_s)
+    def listen(self, conv=None, start_early=None, notify=None, turn_end=None, capacity=None) -> FakeListener:
+        assert capacity is self.slots  # its partial passes share the answers' slots
+        listener = FakeListener(self.slots, start_early, self.end_after_s, self.pass_in_flight)
         self.listeners.append(listener)
         return listener
 
@@ -174,6 +189,19 @@ def test_push_to_talk_is_transcribed_under_the_answer_capacity():
     try:
         mic.push_to_talk()
         mic.wait_for(lambda: mic.turns, "turn")
+        assert agent.listeners[0].finished_with_in_use == 1 and slots.in_use == 0
+    finally:
+        mic.input.close()
+
+
+def test_a_turn_is_not_refused_for_its_own_partial_pass_in_flight():
+    slots = Slots(1)
+    mic, agent = Mic(slots), FakeAgent(slots, pass_in_flight=True)
+    mic.input.release(agent)
+    try:
+        mic.push_to_talk()
+        mic.wait_for(lambda: mic.turns or mic.of_type("busy"), "turn")
+        assert mic.turns == [(WORDS, False)] and not mic.of_type("busy")
         assert agent.listeners[0].finished_with_in_use == 1 and slots.in_use == 0
     finally:
         mic.input.close()
