@@ -59,7 +59,7 @@ class ModelLoader:
         progress(0)
         transcriber = make_transcriber(self.config)
         progress(1)
-        tts = make_tts(self.config.tts)
+        tts = make_tts(self.config.tts, self.config.engine.device)
         progress(2)
         return VoiceAgent(self.config, transcriber=transcriber, tts=tts)
 

@@ -148,7 +148,7 @@ class VoiceAgent:
         self.config = config
         self.llm = llm or provider_from_config(config)
         self.transcriber = transcriber or make_transcriber(config)
-        self.tts = tts or make_tts(config.tts)
+        self.tts = tts or make_tts(config.tts, config.engine.device)
 
     def new_conversation(self) -> Conversation:
         return Conversation(self)

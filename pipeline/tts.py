@@ -109,19 +109,29 @@ def coqui_problem_here() -> str | None:
     return coqui_problem(importlib.util.find_spec("TTS") is not None, torch.cuda.is_available())
 
 
+def coqui_model_here(model_name: str) -> bool:
+    """Whether Coqui has model_name on disk already (it downloads a model it lacks, which a test must never do)."""
+    from trainer.io import get_user_data_dir  # Coqui's own dependency: where its ModelManager keeps models
+
+    return (get_user_data_dir("tts") / model_name.replace("/", "--")).is_dir()
+
+
 class CoquiTTS(TTS):
-    """Coqui TTS, only where it can load (coqui_problem_here). Coqui fetches model_name on first use, so this is for
-    online users. Not streaming: one chunk per call (the chunker already keeps calls short)."""
+    """Coqui TTS, only where it can load (coqui_problem_here), on the device given (a torch model). Coqui fetches
+    model_name on first use, so this is for online users. Not streaming: one chunk per call (the chunker already
+    keeps calls short)."""
 
     name = "coqui"
+    DEFAULT_MODEL = "tts_models/en/ljspeech/vits"
 
-    def __init__(self, model_name: str = "tts_models/en/ljspeech/vits") -> None:
+    def __init__(self, model_name: str = DEFAULT_MODEL, device: str = "cuda") -> None:
         problem = coqui_problem_here()
         if problem:
             raise RuntimeError(problem)
         from TTS.api import TTS as CoquiAPI
 
-        self._tts = CoquiAPI(model_name, progress_bar=False)
+        self.device = device
+        self._tts = CoquiAPI(model_name, progress_bar=False).to(device)
         self.sample_rate = int(self._tts.synthesizer.output_sample_rate)
 
     def stream(self, text: str) -> Iterator[np.ndarray]:
@@ -151,13 +161,14 @@ def tts_problem(name: str) -> str | None:
     return coqui_problem_here() if engine == "coqui" else None
 
 
-def make_tts(name: str = DEFAULT_TTS) -> TTS:
+def make_tts(name: str = DEFAULT_TTS, device: str = "cpu") -> TTS:
     """A TTS engine by name: "hibari" (default), "piper", "coqui" (where it can load: coqui_problem_here).
 
-    On the CPU whatever --device says: hibari opens its onnxruntime session with the CPU provider only, and the
-    onnxruntime wheel that piper's session runs on is the CPU build (the GPU one is another package,
-    onnxruntime-gpu). hibari speaks about 100x faster than real time on one core, so a GPU would save little."""
+    Coqui runs on `device` (the engine's). hibari and piper stay on the CPU whatever it says: hibari opens its
+    onnxruntime session with the CPU provider only, and the onnxruntime wheel that piper's session runs on is the CPU
+    build (the GPU one is another package, onnxruntime-gpu). hibari speaks about 100x faster than real time on one
+    core, so a GPU would save little."""
     engine = ENGINES.get(name.strip().lower())
     if engine is None:
         raise ValueError(tts_problem(name))
-    return engine()
+    return CoquiTTS(device=device) if engine is CoquiTTS else engine()

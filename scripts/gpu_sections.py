@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -347,10 +348,13 @@ def junit_counts(path: Path) -> dict[str, Any]:
         for kind in ("failure", "error")
         if (found := case.find(kind)) is not None
     ]
+    skips = [case.find("skipped") for case in suite.iter("testcase")]
+    skipped = Counter((found.get("message") or "")[:200] for found in skips if found is not None)
     return {
         "passed": n["tests"] - n["failures"] - n["errors"] - n["skipped"],
         "failed": n["failures"],
         "errors": n["errors"],
         "skipped": n["skipped"],
         "problems": problems[:50],
+        "skipped_because": dict(skipped.most_common(20)),  # e.g. whether Coqui's GPU test found its package
     }

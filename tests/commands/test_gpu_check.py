@@ -35,6 +35,7 @@ def test_every_section_ran(check):
     tests = check["tests"]
     assert tests["passed"] > 0 and tests["failed"] == tests["errors"] == 0 and not tests["interrupted_at_budget"]
     assert tests["device"] == "cpu"
+    assert tests["skipped_because"].get("needs a CUDA GPU (torch sees none)", 0) >= 7  # the GPU tests, and why
 
 
 def test_a_step_reads_the_device_at_most_twice(check):

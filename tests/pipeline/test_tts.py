@@ -1,7 +1,9 @@
 import argparse
 import importlib.util
 import inspect
+import sys
 import time
+import types
 
 import numpy as np
 import pytest
@@ -10,7 +12,17 @@ from pipeline import tts as tts_module
 from pipeline.asr import Transcriber
 from pipeline.audio import to_mono_16k
 from pipeline.options import add_agent_arguments
-from pipeline.tts import ENGINES, TTS, HibariTTS, coqui_problem, coqui_problem_here, make_tts, offered_tts
+from pipeline.tts import (
+    ENGINES,
+    TTS,
+    CoquiTTS,
+    HibariTTS,
+    coqui_model_here,
+    coqui_problem,
+    coqui_problem_here,
+    make_tts,
+    offered_tts,
+)
 
 SENTENCE = "The capital of France is Paris."
 TWO_SENTENCES = "The capital of France is Paris. It is known for the Eiffel Tower."
@@ -107,6 +119,44 @@ def test_coqui_is_offered_only_where_it_can_load(monkeypatch, capsys):
 def test_coqui_here_is_refused_with_the_reason():
     with pytest.raises(RuntimeError, match="pip install coqui-tts|CPU-only torch"):
         make_tts("coqui")
+
+
+class FakeCoquiAPI:
+    """TTS.api.TTS as CoquiTTS uses it: a torch module built by model name, moved with .to()."""
+
+    def __init__(self, model_name: str, progress_bar: bool) -> None:
+        self.model_name, self.device = model_name, "cpu"
+        self.synthesizer = types.SimpleNamespace(output_sample_rate=22050)
+
+    def to(self, device: str) -> "FakeCoquiAPI":
+        self.device = device
+        return self
+
+    def tts(self, text: str) -> list[float]:
+        return [0.1] * len(text)
+
+
+def test_coqui_is_built_on_the_engines_device(monkeypatch):
+    monkeypatch.setitem(sys.modules, "TTS", types.ModuleType("TTS"))
+    monkeypatch.setitem(sys.modules, "TTS.api", types.SimpleNamespace(TTS=FakeCoquiAPI))
+    monkeypatch.setattr(tts_module, "coqui_problem_here", lambda: None)
+    coqui = make_tts("coqui", device="cuda:1")
+    assert coqui._tts.device == "cuda:1" and coqui._tts.model_name == CoquiTTS.DEFAULT_MODEL
+    assert coqui.sample_rate == 22050 and np.concatenate(list(coqui.stream("Hi."))).size == 3
+    assert make_tts("hibari", device="cuda:1").name == "hibari"  # its onnxruntime build is the CPU one
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    coqui_problem_here() is not None or not coqui_model_here(CoquiTTS.DEFAULT_MODEL),
+    reason="Coqui TTS or its default model is not on this machine (tests never download one)",
+)
+def test_coqui_speaks_on_the_gpu():
+    coqui = make_tts("coqui", device="cuda")
+    assert {p.device.type for p in coqui._tts.parameters()} == {"cuda"}
+    audio = np.concatenate(list(coqui.stream(SENTENCE)))
+    check_audio(audio)
+    assert 1.0 < len(audio) / coqui.sample_rate < 4.0
 
 
 @pytest.mark.models
