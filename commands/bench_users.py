@@ -45,6 +45,8 @@ DEFINITIONS_USERS = {
     "or whose answer was generated for another transcript than the one the client was told it said",
     "server_errors": "'error' messages and connections the server dropped, over every client of the run",
     "ttfa_ms": DEFINITIONS["ttfa_ms"] + "; p50/p95 over the answered turns (linear interpolation)",
+    "early_kept": "answered turns whose answer was the one started early, at the pause (preemptive generation)",
+    "early_discarded": "early answers thrown away (the user went on, or the final words differed), over the turns",
 }
 
 
@@ -96,6 +98,8 @@ def summarize_run(
         "silent": sum(t.outcome == "answered" and not t.audio_s for t in turns),
         "mixed": sum(t.mixed for t in turns),
         "server_errors": sum(len(t.errors) for t in (*turns, *extra)),
+        "early_kept": sum(t.outcome == "answered" and "kept" in t.early for t in turns),
+        "early_discarded": sum(t.early.count("discarded") for t in turns),
         "ttfa_ms_p50": percentile(ttfa, 50),
         "ttfa_ms_p95": percentile(ttfa, 95),
         "disconnect": disconnect,
@@ -180,7 +184,8 @@ def describe(run: dict) -> str:
     line = (
         f"{run['clients']} clients: {run['turns_answered']}/{run['turns_sent']} answered, {run['busy']} busy, "
         f"{run['lost']} lost, {run['silent']} silent, {run['mixed']} mixed, {run['server_errors']} server errors; "
-        f"TTFA p50 {ms(run['ttfa_ms_p50'])} ms, p95 {ms(run['ttfa_ms_p95'])} ms"
+        f"TTFA p50 {ms(run['ttfa_ms_p50'])} ms, p95 {ms(run['ttfa_ms_p95'])} ms; early answers "
+        f"{run['early_kept']} kept, {run['early_discarded']} discarded"
     )
     d = run["disconnect"]
     if d is not None:

@@ -53,6 +53,7 @@ class ClientTurn:
     errors: list[str] = field(default_factory=list)
     note: str | None = None  # why a turn was lost
     mixed: bool = False
+    early: list[str] = field(default_factory=list)  # the early answers' events on this turn: started, kept, discarded
 
 
 def recv_until(ws: ClientConnection, want: Callable[[dict], bool], timeout: float = 30) -> tuple[dict, list]:
@@ -111,6 +112,8 @@ class VoiceClient:
             self.turn.errors.append(m["message"])
         elif kind == "transcript":
             self.turn.transcript = m["text"]
+        elif kind == "early":
+            self.turn.early.append(m["event"])
         elif kind == "info" and m["message"].startswith("Not answered"):
             self.turn.note = m["message"]  # the mic heard nothing it could answer
         return kind

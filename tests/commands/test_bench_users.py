@@ -77,6 +77,16 @@ def test_busy_is_counted_apart_from_lost_and_errors_over_every_client():
     assert summarize_run(1, [ClientTurn(0, "egg", "busy")])["ttfa_ms_p50"] is None
 
 
+def test_early_answers_are_counted_kept_only_when_answered():
+    turns = [
+        ClientTurn(0, "capital", "answered", True, early=["started", "kept"]),
+        ClientTurn(1, "egg", "answered", True, early=["started", "discarded", "started", "discarded"]),
+        ClientTurn(2, "moon", note="timed out", early=["started", "kept"]),  # kept, but its answer never came
+    ]
+    run = summarize_run(3, turns)
+    assert (run["early_kept"], run["early_discarded"]) == (1, 2)
+
+
 def test_options_are_the_apps_plus_the_clients():
     parser = argparse.ArgumentParser()
     add_arguments(parser)
