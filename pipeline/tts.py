@@ -111,9 +111,9 @@ def coqui_problem_here() -> str | None:
 
 def coqui_model_here(model_name: str) -> bool:
     """Whether Coqui has model_name on disk already (it downloads a model it lacks, which a test must never do)."""
-    from trainer.io import get_user_data_dir  # Coqui's own dependency: where its ModelManager keeps models
+    from TTS.utils.manage import ModelManager  # reads the model list shipped in the package, nothing online
 
-    return (get_user_data_dir("tts") / model_name.replace("/", "--")).is_dir()
+    return (Path(ModelManager(progress_bar=False).output_prefix) / model_name.replace("/", "--")).is_dir()
 
 
 class CoquiTTS(TTS):
