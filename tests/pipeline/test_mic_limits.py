@@ -3,7 +3,6 @@ transcription runs under the capacity shared with the answers. Fake listeners st
 
 from __future__ import annotations
 
-import threading
 import time
 
 import numpy as np
@@ -14,34 +13,13 @@ from pipeline.mic import MicInput
 from pipeline.preemptive import Hold
 from pipeline.timeline import Timeline
 from pipeline.vad import VadEvent
+from tests.support.fakes import Slots
 
 WORDS = "hello there"
 
 
 def end_event(kind: str = "end_of_turn") -> VadEvent:
     return VadEvent(kind, 0.0, 1.0, 1.3, 0, SAMPLE_RATE)
-
-
-class Slots:
-    """A Capacity like the app's AnswerSlots, counting what is in use."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit, self.in_use = limit, 0
-        self.lock = threading.Lock()
-
-    def try_acquire(self) -> bool:
-        with self.lock:
-            if self.in_use >= self.limit:
-                return False
-            self.in_use += 1
-            return True
-
-    def release(self) -> None:
-        with self.lock:
-            self.in_use -= 1
-
-    def busy_message(self) -> str:
-        return "Busy: the test holds every slot."
 
 
 class FakeASR:

@@ -1,7 +1,6 @@
 import importlib.util
 import json
 import re
-import threading
 import time
 from pathlib import Path
 
@@ -13,6 +12,7 @@ from pipeline.asr import StreamingTranscriber, Transcriber
 from pipeline.audio import SAMPLE_RATE, load_audio, to_mono_16k
 from pipeline.vad import FRAME_S, EndOfTurnDetector
 from specdec.models import cache_dir
+from tests.support.fakes import Slots
 from tests.support.speech import needs_espeak, speak
 
 LEAD_S, TAIL_S = 0.5, 1.0
@@ -227,45 +227,30 @@ def test_short_window_transcribes_short_and_long_turns(utterance, monkeypatch):
             Transcriber("tiny.en", **bad)
 
 
-class CountingSlots:
-    """A Capacity of one slot that the test can hold, and the transcriber's calls with the slot's state."""
+class SlotRecorder:
+    """A transcriber noting how many slots were in use during each of its calls."""
 
-    def __init__(self) -> None:
-        self.held_by_test, self.in_use = False, 0
-        self.calls: list[int] = []  # slots in use during each transcription
-        self.lock = threading.Lock()
-
-    def try_acquire(self) -> bool:
-        with self.lock:
-            if self.held_by_test or self.in_use:
-                return False
-            self.in_use += 1
-            return True
-
-    def release(self) -> None:
-        with self.lock:
-            self.in_use -= 1
-
-    def busy_message(self) -> str:
-        return "Busy."
+    def __init__(self, slots: Slots) -> None:
+        self.slots, self.calls = slots, []
 
     def transcribe(self, audio: np.ndarray) -> str:
-        self.calls.append(self.in_use)
+        self.calls.append(self.slots.in_use)
         return f"{len(audio)} samples"
 
 
 def test_partial_passes_run_under_the_capacity_and_the_pause_pass_waits_for_a_slot():
-    slots = CountingSlots()
-    slots.held_by_test = True  # every slot answering
-    stream = StreamingTranscriber(slots, interval_s=0.05, capacity=slots)
+    slots = Slots(1)
+    asr = SlotRecorder(slots)
+    assert slots.try_acquire()  # every slot answering
+    stream = StreamingTranscriber(asr, interval_s=0.05, capacity=slots)
     stream.feed(np.zeros(16000, np.float32))
     assert wait_until(lambda: stream.passes_skipped >= 3, 5)
     stream.speech_paused()
     time.sleep(0.2)
-    assert slots.calls == [] and stream.partial == ""  # skipped, not run beside the answers
-    slots.held_by_test = False  # an answer ended: the pause's pass takes the slot
+    assert asr.calls == [] and stream.partial == ""  # skipped, not run beside the answers
+    slots.release()  # an answer ended: the pause's pass takes the slot
     assert wait_until(lambda: stream.partial == "16000 samples", 2)
-    assert slots.calls and set(slots.calls) == {1}  # each pass held the slot while it ran
+    assert asr.calls and set(asr.calls) == {1}  # each pass held the slot while it ran
     stream.stop_partials()
     assert slots.in_use == 0  # and gave it back
     assert stream.finish() == "16000 samples"

@@ -1,7 +1,9 @@
-"""Stand-ins for the LLM and TTS stages: scripted, instant, and recording what they were given."""
+"""Stand-ins for the LLM and TTS stages (scripted, instant, and recording what they were given), and for the app's
+answer slots."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -45,3 +47,25 @@ class FakeTTS:
 
     def warmup(self):
         pass
+
+
+class Slots:
+    """A Capacity like the app's AnswerSlots (pipeline/capacity.py), counting what is in use."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.in_use = limit, 0
+        self.lock = threading.Lock()
+
+    def try_acquire(self) -> bool:
+        with self.lock:
+            if self.in_use >= self.limit:
+                return False
+            self.in_use += 1
+            return True
+
+    def release(self) -> None:
+        with self.lock:
+            self.in_use -= 1
+
+    def busy_message(self) -> str:
+        return "Busy: the test holds every slot."
