@@ -213,7 +213,7 @@ class StreamingTranscriber:
         self._partial = ""
         self._partial_n = 0  # samples the partial transcript covered
         self._busy = False
-        self._urgent = False  # the speaker paused: transcribe now rather than at the next interval
+        self._wanted = 0  # samples the speaker paused after: a partial must hear them now, not at the next interval
         self._closed = False
         self.passes_skipped = 0  # partial passes that found every slot taken
         self._cond = threading.Condition()
@@ -251,7 +251,8 @@ class StreamingTranscriber:
         while True:
             with self._cond:
                 while not self._closed:
-                    due = min(last_start + self._interval_s, retry_at if self._urgent else math.inf)
+                    urgent = self._wanted > self._partial_n  # and no pass has heard them yet
+                    due = min(last_start + self._interval_s, retry_at if urgent else math.inf)
                     now = time.monotonic()
                     if self._n > self._partial_n and now >= due:
                         break
@@ -270,7 +271,6 @@ class StreamingTranscriber:
                 continue
             with self._cond:
                 audio, n = self._snapshot()
-                self._urgent = False
             last_start = time.monotonic()
             text: str | None = None
             try:
@@ -283,10 +283,11 @@ class StreamingTranscriber:
                     self._busy = False
                     self._cond.notify_all()
 
-    def speech_paused(self) -> None:
-        """The VAD saw the first silence after speech: a transcript started now may be the final one."""
+    def speech_paused(self, samples: int) -> None:
+        """The VAD saw the first silence after the first `samples` samples of speech: a transcript of them may be the
+        final one, so one is made at once, unless the latest partial (or the one in flight) already heard them."""
         with self._cond:
-            self._urgent = True
+            self._wanted = max(self._wanted, samples)
             self._cond.notify_all()
 
     def close(self) -> None:

@@ -76,7 +76,7 @@ class TurnListener:
             self._prefill_words()
             return None
         if not was_paused:
-            self.asr.speech_paused()
+            self.asr.speech_paused(self.vad.last_voiced[1])
         if self._pause_words is None:
             self._pause_words = self.asr.covering(self.vad.last_voiced[1])
             if self._pause_words is not None:

@@ -186,26 +186,42 @@ def test_base_model_assembles_and_transcribes(utterance, tmp_path, monkeypatch):
     assert model_bin.stat().st_mtime_ns == mtime
 
 
+class Recorder:
+    def __init__(self):
+        self.calls = []
+
+    def transcribe(self, audio):
+        self.calls.append((time.monotonic(), len(audio)))
+        return f"{len(audio)} samples"
+
+
 def test_speech_pause_starts_a_transcription_without_waiting_for_the_interval():
-    class Recorder:
-        def __init__(self):
-            self.calls = []
-
-        def transcribe(self, audio):
-            self.calls.append((time.monotonic(), len(audio)))
-            return f"{len(audio)} samples"
-
     rec = Recorder()
     stream = StreamingTranscriber(rec, interval_s=30.0)
     stream.feed(np.zeros(16000, np.float32))
     t0 = time.monotonic()
-    stream.speech_paused()
+    stream.speech_paused(16000)
     deadline = t0 + 2.0
     while not rec.calls and time.monotonic() < deadline:
         time.sleep(0.01)
     assert rec.calls and rec.calls[0][0] - t0 < 0.5 and rec.calls[0][1] == 16000
     assert stream.finish() == "16000 samples"  # the paused-time transcript covered everything: reused
     assert len(rec.calls) == 1
+
+
+def test_a_pause_already_heard_by_a_partial_starts_no_pass():
+    rec = Recorder()
+    stream = StreamingTranscriber(rec, interval_s=30.0)  # no partial on the interval during the test
+    stream.feed(np.zeros(16000, np.float32))
+    stream.speech_paused(16000)
+    assert wait_until(lambda: stream.covering(16000) is not None, 2)
+    stream.feed(np.zeros(8000, np.float32))
+    stream.speech_paused(12000)  # a pause within what the last partial heard: its words are known already
+    time.sleep(0.3)
+    assert len(rec.calls) == 1  # no pass that would only take an answer slot
+    stream.speech_paused(24000)  # a pause after speech it has not heard
+    assert wait_until(lambda: stream.covering(24000) is not None, 2) and len(rec.calls) == 2
+    stream.close()
 
 
 @needs_espeak
@@ -245,7 +261,7 @@ def test_partial_passes_run_under_the_capacity_and_the_pause_pass_waits_for_a_sl
     stream = StreamingTranscriber(asr, interval_s=0.05, capacity=slots)
     stream.feed(np.zeros(16000, np.float32))
     assert wait_until(lambda: stream.passes_skipped >= 3, 5)
-    stream.speech_paused()
+    stream.speech_paused(16000)
     time.sleep(0.2)
     assert asr.calls == [] and stream.partial == ""  # skipped, not run beside the answers
     slots.release()  # an answer ended: the pause's pass takes the slot
