@@ -1,6 +1,7 @@
 """`specvoice` as a user runs it. In-process by default (`commands.cli.main`, its stdout and stderr captured): the
-same parsing, dispatch and error handling, without a new interpreter's 3–4 s of imports per call. subprocess=True
-runs the console script's module in a fresh interpreter from the project root, for what only that shows."""
+same parsing, dispatch and error handling, without a new interpreter's 3–4 s of imports per call. subprocess_run=True
+runs the console script's module in a fresh interpreter from the project root, for what only that shows (timeout
+applies to that run only)."""
 
 from __future__ import annotations
 
