@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.asr import FULL_WINDOW_S, MODEL_CHOICES, Transcriber
+from pipeline.asr import DEFAULT_CPU_THREADS, FULL_WINDOW_S, MODEL_CHOICES, Transcriber
 from pipeline.audio import SAMPLE_RATE, load_audio, to_mono_16k
 from pipeline.options import positive_int
 from pipeline.tts import HibariTTS, PiperTTS
@@ -40,7 +40,7 @@ DEFINITIONS = {
     "digits, a few British spellings as American. 0 is perfect; insertions can take it above 1.",
     "clips_with_errors": "clips whose transcript has at least one word edit after normalisation",
     "transcribe_s": "wall-clock seconds of one Transcriber.transcribe() call on one 16 kHz clip (features, encoder, "
-    "decoder), after a warmup call, with cpu_threads=threads, on a machine that may be shared (see settings.nice)",
+    "decoder), after a warmup call, with the setting's cpu_threads, on a machine that may be shared (see settings.nice)",
     "median_s / p90_s": "median and 90th percentile of transcribe_s over all clips of a setting",
     "window_s": f"seconds of audio the Whisper encoder sees: {FULL_WINDOW_S} is Whisper's padded window (the "
     "default); less pads shorter clips with silence to that length and encodes only it",
@@ -78,10 +78,11 @@ class Setting:
     model: str
     beam_size: int
     window_s: int
+    threads: int = DEFAULT_CPU_THREADS
 
     @property
     def name(self) -> str:
-        return f"{self.model} beam{self.beam_size} {self.window_s}s"
+        return f"{self.model} beam{self.beam_size} {self.window_s}s {self.threads}t"
 
 
 def _espeak(text: str, voice: Voice, espeak: str) -> np.ndarray:
@@ -119,6 +120,7 @@ def summarize(setting: Setting, clips: list[dict], voices: list[str]) -> dict:
         "model": setting.model,
         "beam_size": setting.beam_size,
         "window_s": setting.window_s,
+        "threads": setting.threads,
         "clips": len(mine),
         "wer": corpus_word_error_rate((c["reference"], c["hypothesis"]) for c in mine),
         "clips_with_errors": sum(c["edits"] > 0 for c in mine),
@@ -177,7 +179,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[FULL_WINDOW_S, 10],
         help=f"encoder windows in seconds ({FULL_WINDOW_S} = Whisper's default padded window)",
     )
-    parser.add_argument("--threads", type=positive_int, default=2, help="cpu_threads of each ASR model and TTS engine")
+    parser.add_argument(
+        "--asr-threads",
+        nargs="+",
+        type=positive_int,
+        default=[DEFAULT_CPU_THREADS],
+        help="cpu_threads of the ASR models (the app's default first)",
+    )
+    parser.add_argument("--threads", type=positive_int, default=2, help="cpu_threads of each TTS engine that speaks")
     parser.add_argument("--json", required=True, help="where to write the per-clip results and the summary table")
 
 
@@ -202,22 +211,23 @@ def main(args: argparse.Namespace) -> int:
 
     transcribers: dict[Setting, Transcriber] = {}
     for model in dict.fromkeys(args.asr):  # keeps the order, drops repeats
-        for beam, window in itertools.product(dict.fromkeys(args.beams), dict.fromkeys(args.windows)):
+        options = itertools.product(*(dict.fromkeys(a) for a in (args.beams, args.windows, args.asr_threads)))
+        for beam, window, threads in options:
             window_s = None if window >= FULL_WINDOW_S else window  # None: Whisper's own padded window
             try:
-                tr = Transcriber(model, cpu_threads=args.threads, beam_size=beam, window_s=window_s)
+                tr = Transcriber(model, cpu_threads=threads, beam_size=beam, window_s=window_s)
             except (RuntimeError, ValueError, OSError) as e:  # a missing model fails alike for every option
                 note(f"ASR model {model!r} skipped: {e}")
                 break
             tr.warmup()  # the first call allocates CTranslate2's buffers: not part of any clip's latency
-            transcribers[Setting(model, beam, window)] = tr
+            transcribers[Setting(model, beam, window, threads)] = tr
     if not transcribers:
         raise RuntimeError("no ASR model could load; see the notes above")
     settings = list(transcribers)
     total = len(prompts) * len(voices)
     print(
         f"bench-asr: {len(prompts)} prompts × {len(voices)} voices = {total} clips, {len(settings)} ASR settings, "
-        f"{args.threads} thread(s)",
+        f"ASR threads {args.asr_threads}",
         file=sys.stderr,
         flush=True,
     )
@@ -255,7 +265,7 @@ def main(args: argparse.Namespace) -> int:
             "limit": args.limit,
             "prompts_used": len(prompts),
             "voices": voices,
-            "threads": args.threads,
+            "tts_threads": args.threads,
             "nice": os.nice(0),
             "cpu_count": os.cpu_count(),
             "versions": {d: md.version(d) for d in ("faster-whisper", "ctranslate2")},

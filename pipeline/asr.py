@@ -31,6 +31,10 @@ FULL_WINDOW_S = 30  # Whisper's input window: every clip is padded to it unless 
 DEFAULT_BEAM_SIZE = 5
 DEFAULT_WINDOW_S = 10.0
 _HOP_LENGTH = 160  # samples per mel frame (10 ms at 16 kHz)
+# One thread, not two: tiny.en's decoder steps are too small to split, and two threads made every call slower on
+# 2 cores (12 held-out questions, beam 5, 10 s window: median 141-151 ms a call on one thread, 177-203 ms on two;
+# the same transcripts). The other core stays free for the LLM.
+DEFAULT_CPU_THREADS = 1
 
 
 def _package_data(package: str) -> Path:
@@ -126,7 +130,7 @@ class Transcriber:
     def __init__(
         self,
         model: str = DEFAULT_MODEL,
-        cpu_threads: int = 2,
+        cpu_threads: int = DEFAULT_CPU_THREADS,
         allow_download: bool = False,
         *,
         beam_size: int = DEFAULT_BEAM_SIZE,
@@ -147,12 +151,16 @@ class Transcriber:
                 "a hub name needs allow_download=True and a network"
             )
         kwargs = whisper_device(device, cpu_threads)
+        torch_threads = torch.get_num_threads()
         if window_s is None:
             self._model = WhisperModel(path, **kwargs)
         else:
             self._window_samples = int(round(window_s * SAMPLE_RATE))
             frames = self._window_samples // _HOP_LENGTH
             self._model = _WindowedWhisper(path, window_frames=frames, **kwargs)
+        # CTranslate2 sets this thread's OpenMP thread count to cpu_threads, and torch reads the same setting: left
+        # at 1, the LLM loaded next on this thread would run (and measure its forward costs) on one core.
+        torch.set_num_threads(torch_threads)
 
     def transcribe(self, audio16k: np.ndarray) -> str:
         """16 kHz mono float32 -> text ("" for no audio)."""

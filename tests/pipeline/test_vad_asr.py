@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from commands.bench_server import wait_until
 from pipeline.asr import StreamingTranscriber, Transcriber
@@ -40,7 +41,7 @@ def utterance() -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def transcriber() -> Transcriber:
-    tr = Transcriber("tiny.en", cpu_threads=2)
+    tr = Transcriber("tiny.en")
     tr.warmup()
     return tr
 
@@ -96,6 +97,19 @@ def test_silence_and_noise_are_not_speech():
     rng = np.random.default_rng(0)
     assert detector.feed(np.zeros(SAMPLE_RATE, np.float32), 0.0) == []
     assert detector.feed((0.01 * rng.standard_normal(SAMPLE_RATE)).astype(np.float32), 1.0) == []
+
+
+@pytest.mark.models
+def test_loading_the_asr_leaves_torchs_thread_count_alone():
+    """CTranslate2 sets the OpenMP thread count of the thread that loads it, and torch reads the same setting: the LLM
+    loaded after the ASR on the app's loader thread ran on one core of two."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        Transcriber("tiny.en", cpu_threads=1)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.models
