@@ -109,6 +109,11 @@ class _Running:
     note: str = ""  # why speculation stopped during its chunked prefill, told with its first event
 
 
+# An answer's first steps make its first spoken chunk, and drafters guess an answer's opening words worse than the rest
+# (the shipped heads: acceptance 0 on the first chunk's tokens, 0.5 later, docs/results.md): their acceptance is
+# learned apart, so a drafter that misses openings costs the first chunk no verification.
+OPENING_STEPS = 4
+
 # Prompt tokens a joining answer feeds per step (chunked prefill): the answers already running wait for a forward
 # of at most this many tokens more, not for a whole long prompt's.
 PREFILL_CHUNK = 256
@@ -138,6 +143,8 @@ class BatchScheduler:
         self._joining: list[_Running] = []
         self._lock = threading.Lock()  # guards _joining and _thread
         self._thread: threading.Thread | None = None
+        # What answers' steps brought so far: one estimate for their opening steps, one for the steps after.
+        self._opening_prior = LoadEstimate.geometric(self.ALPHA_PRIOR, decay=0.95)
         self._prior = LoadEstimate.geometric(self.ALPHA_PRIOR, decay=0.95)
 
     def stream(
@@ -150,7 +157,7 @@ class BatchScheduler:
     ) -> Iterator[StepEvent]:
         """SpeculativeEngine.stream's contract; the steps run on the scheduler's thread, batched with the others."""
         answer = self.engine.new_answer(prompt_ids, config, session, cancel, stats)  # a bad prompt fails here
-        return self._read(_Running(answer, self._prior.copy(decay=0.7)))
+        return self._read(_Running(answer, self._opening_prior.copy(decay=0.7)))
 
     def _read(self, run: _Running) -> Iterator[StepEvent]:
         with self._lock:
@@ -213,7 +220,10 @@ class BatchScheduler:
             draft_time = r.drafted  # not the answer's first drafting step
             r.drafted = r.drafted or event.speculative
             r.estimate.observe(event, draft_time)
-            self._prior.observe(event, draft_time)
+            opening = r.answer.steps <= OPENING_STEPS
+            (self._opening_prior if opening else self._prior).observe(event, draft_time)
+            if r.answer.steps == OPENING_STEPS:  # past its opening, an answer starts from what later steps brought
+                r.estimate = self._prior.copy(decay=0.7)
             r.events.put(event)
             if event.finish_reason:
                 finished.add(id(r))

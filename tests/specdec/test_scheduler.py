@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from specdec.cost_grid import ForwardCosts, cached_forward_costs, measure_forward_costs
-from specdec.drafters import DraftModelDrafter
+from specdec.drafters import DraftModelDrafter, Proposal
 from specdec.engine import EngineSession, GenerationConfig, StepEvent, collect
 from specdec.kv import PENDING
 from specdec.metrics import expected_tokens_per_step
 from specdec.runner import BatchRunner, Feed
 from specdec.sampling import SamplingParams
-from specdec.scheduler import BatchScheduler, LoadEstimate, choose_ks
+from specdec.scheduler import OPENING_STEPS, BatchScheduler, LoadEstimate, choose_ks
 from tests.support.engine import draft_factory, heads_engine, make_engine, target_only, tiny_prompts
 
 
@@ -371,3 +371,48 @@ def test_the_scheduler_thread_ends_when_idle_and_starts_again(tiny_engine):
                 break
             threading.Event().wait(0.01)
         assert scheduler._thread is None
+
+
+class OpeningMisser:
+    """Knows each prompt's greedy answer: proposes wrong tokens for its first OPENING_STEPS tokens, right ones after
+    (the shipped heads' pattern, at its extreme)."""
+
+    kind, reads_target_hidden = "ngram", False
+
+    def __init__(self, answers: dict[tuple[int, ...], list[int]], device: torch.device) -> None:
+        self.answers, self.device = answers, device
+
+    def propose(self, context, k, params, generator):
+        prompt = next(p for p in self.answers if tuple(context[: len(p)]) == p)
+        done = len(context) - len(prompt)
+        right = self.answers[prompt][done : done + k]
+        wrong = [(t + 1) % 50 for t in right]  # never the target's token
+        return Proposal.of(wrong if done < OPENING_STEPS else right, self.device)
+
+    def prefill(self, ids):
+        pass
+
+    def rollback(self, length):
+        pass
+
+    def observe(self, event, target):
+        pass
+
+
+def test_an_answers_opening_steps_learn_their_own_acceptance(tiny_engine):
+    """A drafter that misses every answer's opening and hits the rest: after a few answers the opening steps are
+    plain (their verification would cost the first chunk time for nothing) and the later ones draft, losslessly.
+    With one estimate for every step, the later steps' acceptance would make the openings draft too."""
+    target, _ = tiny_engine.models
+    fbgemm_like = by_rows([1, 2, 4, 8], [0.100, 0.115, 0.145, 0.205])  # each row fed costs 15% of a step
+    prompts = tiny_prompts(target, 3, seed=23)
+    answers = {tuple(p): target_only(target, p, 24) for p in prompts}
+    engine = batched_engine(target, lambda: OpeningMisser(answers, target.device), "3")
+    scheduler = BatchScheduler(engine, fbgemm_like)
+    for i in range(12):
+        prompt = prompts[i % len(prompts)]
+        tokens, events = collect(scheduler.stream(prompt, GenerationConfig(24)))
+        assert tokens == answers[tuple(prompt)]
+    # The first step reads the prompt, next to which a few drafts cost little; the opening's one-token steps are plain.
+    assert all(ev.k_chosen == 0 for ev in events[1:OPENING_STEPS])
+    assert any(ev.k_chosen > 0 and ev.accepted == ev.k_chosen for ev in events[OPENING_STEPS:])
