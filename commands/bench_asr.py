@@ -40,7 +40,7 @@ DEFINITIONS = {
     "digits, a few British spellings as American. 0 is perfect; insertions can take it above 1.",
     "clips_with_errors": "clips whose transcript has at least one word edit after normalisation",
     "transcribe_s": "wall-clock seconds of one Transcriber.transcribe() call on one 16 kHz clip (features, encoder, "
-    "decoder), after a warmup call, with the setting's cpu_threads, on a machine that may be shared (see settings.nice)",
+    "decoder), after a warmup call, on the setting's threads, on a machine that may be shared (see settings.nice)",
     "median_s / p90_s": "median and 90th percentile of transcribe_s over all clips of a setting",
     "window_s": f"seconds of audio the Whisper encoder sees: {FULL_WINDOW_S} is Whisper's padded window (the "
     "default); less pads shorter clips with silence to that length and encodes only it",
