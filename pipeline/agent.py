@@ -179,10 +179,12 @@ class VoiceAgent:
         notify: Notify | None = None,
         turn_end: TurnEnd | None = None,
         capacity: Capacity | None = None,
+        wake: Callable[[], None] | None = None,
     ) -> TurnListener:
         """A listener for one turn of conv: with start_early (and config.preemptive) it starts answers at pauses;
         with conv (and config.prefill_while_speaking) it prefills the user's words as they come. turn_end: the
-        configured one unless given; capacity: what its partial ASR passes share (none for one user)."""
+        configured one unless given; capacity: what its partial ASR passes share (none for one user); wake: called
+        on the ASR thread after each pass, for the caller to poll() the listener from its own."""
         c = self.config
         prefill = None
         if conv is not None and c.prefill_while_speaking:
@@ -194,6 +196,7 @@ class VoiceAgent:
             prefill=prefill,
             notify=notify,
             capacity=capacity,
+            wake=wake,
         )
 
     def turn_from_recording(
@@ -222,7 +225,8 @@ class VoiceAgent:
             thread.start()
             early.append((hold, thread, box))
 
-        listener = self.listen(conv, start_early)
+        woke = threading.Event()  # an ASR pass ended: the pause's words may be in before the next frame
+        listener = self.listen(conv, start_early, wake=woke.set)
         t0 = time.perf_counter()
         end: VadEvent | None = None
         try:
@@ -233,9 +237,11 @@ class VoiceAgent:
                 if cancel is not None and cancel.is_set():
                     break  # with no end of turn, finish() raises AudioError
                 t_chunk = t0 + i / SAMPLE_RATE
-                delay = t_chunk + FRAME / SAMPLE_RATE - time.perf_counter()
-                if delay > 0:
-                    time.sleep(delay)  # the chunk is complete only once its last sample was "spoken"
+                # The chunk is complete only once its last sample was "spoken".
+                while (delay := t_chunk + FRAME / SAMPLE_RATE - time.perf_counter()) > 0:
+                    if woke.wait(delay):
+                        woke.clear()
+                        listener.poll()
                 end = listener.feed(padded[i : i + FRAME], t_chunk)
                 if end is not None:
                     break

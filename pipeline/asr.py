@@ -7,6 +7,7 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 
@@ -212,8 +213,15 @@ class StreamingTranscriber:
 
     RETRY_S = 0.05  # how soon the pass at a pause tries again for a slot: the end of the turn waits on its words
 
-    def __init__(self, transcriber: Transcriber, interval_s: float = 0.5, capacity: Capacity | None = None) -> None:
+    def __init__(
+        self,
+        transcriber: Transcriber,
+        interval_s: float = 0.5,
+        capacity: Capacity | None = None,
+        on_pass: Callable[[], None] | None = None,
+    ) -> None:
         self._transcriber = transcriber
+        self._on_pass = on_pass  # called on the ASR thread once a pass's transcript is published
         self._interval_s = interval_s
         self._capacity = capacity or NoLimit()  # partials share the answers' slots; finish() runs under the caller's
         self._chunks: list[np.ndarray] = []
@@ -290,6 +298,8 @@ class StreamingTranscriber:
                         self._partial, self._partial_n = text, n
                     self._busy = False
                     self._cond.notify_all()
+            if self._on_pass is not None:
+                self._on_pass()
 
     def speech_paused(self, samples: int) -> None:
         """The VAD saw the first silence after the first `samples` samples of speech: a transcript of them may be the

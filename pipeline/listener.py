@@ -49,12 +49,14 @@ class TurnListener:
         prefill: Prefill | None = None,
         notify: Notify | None = None,
         capacity: Capacity | None = None,
+        wake: Callable[[], None] | None = None,
     ) -> None:
         self.turn_end = turn_end
         self.vad = EndOfTurnDetector(hangover_ms=turn_end.hangover_ms(None))
         # A whisper call costs ~0.2 s here (10 s window). Partials every second leave the ASR thread idle most of
         # the time, so the call started when the speaker pauses can begin at once.
-        self.asr = StreamingTranscriber(transcriber, interval_s=asr_interval_s, capacity=capacity)
+        # wake: called on the ASR thread after each pass, so the owner can poll() between audio frames.
+        self.asr = StreamingTranscriber(transcriber, interval_s=asr_interval_s, capacity=capacity, on_pass=wake)
         self.start_early, self.prefill, self.notify = start_early, prefill, notify
         self._pause_words: str | None = None  # what was said up to the current pause, once transcribed
         self._prefilled = ""
@@ -77,12 +79,18 @@ class TurnListener:
             return None
         if not was_paused:
             self.asr.speech_paused(self.vad.last_voiced[1])
-        if self._pause_words is None:
+        self.poll()
+        return None
+
+    def poll(self) -> None:
+        """During a pause, once the words up to it are transcribed: set the silence that ends the turn and start the
+        early answer. feed() polls each frame; an owner given wake polls as soon as a pass ends (up to a frame,
+        32 ms, sooner)."""
+        if self.vad.paused and self._pause_words is None:
             self._pause_words = self.asr.covering(self.vad.last_voiced[1])
             if self._pause_words is not None:
                 self.vad.hangover_s = self.turn_end.hangover_ms(self._pause_words) / 1000
                 self._start_early(self._pause_words)
-        return None
 
     def _prefill_words(self) -> None:
         if self.prefill is None:

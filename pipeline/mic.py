@@ -154,6 +154,10 @@ class MicInput:
         try:
             self.released.wait()
             while not self.closed and (item := self.queue.get()) is not None:
+                if item[0] == "poll":  # an ASR pass ended (one a second at most): outside the queue's limits
+                    if self.listener is not None:
+                        self.listener.poll()
+                    continue
                 self._taken(item)
                 if item[0] == "audio":
                     self._audio(item[1], item[2])
@@ -206,6 +210,10 @@ class MicInput:
         assert self.start_early is not None
         self.start_early(words, timeline, hold)
 
+    def _wake(self) -> None:
+        """On the ASR thread: the words of a pause may be in, and the early answer need not wait for the next frame."""
+        self.queue.put_nowait(("poll",))
+
     def _audio(self, chunk: np.ndarray, t_start: float) -> None:
         if self.mode is None or self.agent is None or (self.mode == "ptt" and self.listener is None):
             return  # off, or a held turn already cut at max_turn_s: wait for the release
@@ -218,7 +226,10 @@ class MicInput:
             self.notify({"type": "vad", "event": "speech_start"})
             self.interrupt("barge-in")
             start_early = self._start_early if self.start_early is not None else None
-            self._new_listener(self.agent.listen(self._conv(), start_early, self.notify, capacity=self.capacity))
+            listener = self.agent.listen(
+                self._conv(), start_early, self.notify, capacity=self.capacity, wake=self._wake
+            )
+            self._new_listener(listener)
             items, self.preroll = list(self.preroll), deque()
         else:
             items = [(chunk, t_start)]

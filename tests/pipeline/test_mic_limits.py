@@ -48,6 +48,10 @@ class FakeListener:
         self.hold: Hold | None = None
         self.finished_with_in_use: int | None = None  # slots in use while the final transcription ran
         self.closed = False
+        self.polls = 0
+
+    def poll(self) -> None:
+        self.polls += 1
 
     def feed(self, chunk: np.ndarray, t_start: float) -> VadEvent | None:
         self.fed_samples += len(chunk)
@@ -77,11 +81,13 @@ class FakeAgent:
     def __init__(self, slots: Slots, end_after_s: float | None = None, pass_in_flight: bool = False) -> None:
         self.slots, self.end_after_s, self.pass_in_flight = slots, end_after_s, pass_in_flight
         self.listeners: list[FakeListener] = []
+        self.wakes: list = []  # what each listener's ASR thread would call after a pass
 
-    def listen(self, conv=None, start_early=None, notify=None, turn_end=None, capacity=None) -> FakeListener:
+    def listen(self, conv=None, start_early=None, notify=None, turn_end=None, capacity=None, wake=None) -> FakeListener:
         assert capacity is self.slots  # its partial passes share the answers' slots
         listener = FakeListener(self.slots, start_early, self.end_after_s, self.pass_in_flight)
         self.listeners.append(listener)
+        self.wakes.append(wake)
         return listener
 
 
@@ -238,5 +244,24 @@ def test_a_turn_whose_early_answer_holds_the_slot_is_transcribed_under_it():
         mic.wait_for(lambda: mic.turns, "turn")
         assert mic.turns == [(WORDS, True)] and not mic.of_type("busy")  # the early answer is this turn's
         assert agent.listeners[0].finished_with_in_use == 1 and agent.listeners[0].hold.state == "confirmed"
+    finally:
+        mic.input.close()
+
+
+def test_an_asr_pass_has_the_hands_free_listener_polled_between_frames():
+    """The words of a pause may come in between two frames: the ASR thread's wake has the mic thread poll the listener
+    at once, so the early answer need not wait for the next frame, and a poll is not counted as queued audio."""
+    slots = Slots(1)
+    mic, agent = Mic(slots), FakeAgent(slots)
+    mic.input.gate = SpeechGate()
+    mic.input.release(agent)
+    try:
+        mic.input.switch(True, "handsfree")
+        mic.input.feed(np.zeros(512, np.float32), time.perf_counter())
+        mic.wait_for(lambda: agent.listeners, "listener")
+        (wake,) = agent.wakes
+        wake()
+        mic.wait_for(lambda: agent.listeners[0].polls == 1, "poll")
+        assert mic.input._queued["audio"] == 0 and "poll" not in mic.input._queued
     finally:
         mic.input.close()

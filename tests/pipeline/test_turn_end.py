@@ -241,3 +241,35 @@ def test_an_early_answer_given_up_by_its_answerer_leaves_the_turn_to_be_answered
     listener.close()
     assert len(started) == 1 and heard.early is None and heard.transcript == "What is the capital of France?"
     assert heard.timeline.early_start is None and heard.timeline.early_discarded == 1
+
+
+class SlowASR(ScriptedASR):
+    """A pass takes as long as Whisper's on this CPU, so its words come in between two audio frames."""
+
+    def transcribe(self, audio):
+        time.sleep(0.15)
+        return super().transcribe(audio)
+
+
+@needs_espeak
+def test_the_early_answer_starts_when_the_pause_is_transcribed_not_at_the_next_frame():
+    from pipeline.listener import TurnListener
+    from pipeline.vad import FRAME
+
+    audio, ends = spoken("What is the capital of France?", 1.0)
+    asr = SlowASR([(ends[0] - 0.1, "What is the capital of France?")])
+    started: list[str] = []
+    woke = threading.Event()
+    start = lambda words, tl, hold: started.append(words)  # noqa: E731
+    listener = TurnListener(asr, TurnEnd(), asr_interval_s=60, start_early=start, wake=woke.set)
+    try:
+        for i in range(0, len(audio), FRAME):  # up to the first frame of the pause, then no more audio
+            listener.feed(audio[i : i + FRAME], i / SAMPLE_RATE)
+            if listener.vad.paused:
+                break
+        assert listener.vad.paused and not started
+        assert woke.wait(5)  # the pass at the pause ended
+        listener.poll()
+        assert started == ["What is the capital of France?"]
+    finally:
+        listener.close()

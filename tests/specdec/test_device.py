@@ -106,7 +106,7 @@ def test_memory_is_read_from_the_device_that_holds_the_models(monkeypatch):
 @pytest.mark.parametrize(
     ("device", "want"),
     [
-        ("cpu", {"device": "cpu", "compute_type": "int8", "cpu_threads": 2}),
+        ("cpu", {"device": "cpu", "compute_type": "int8", "cpu_threads": asr.DEFAULT_CPU_THREADS}),
         ("cuda", {"device": "cuda", "device_index": 0, "compute_type": "float16"}),
         ("cuda:1", {"device": "cuda", "device_index": 1, "compute_type": "float16"}),
     ],
