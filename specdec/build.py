@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from .cost_grid import cached_min_feed
 from .drafters import Drafter, DraftModelDrafter, NGramDrafter, restrict_vocab
 from .engine import SpeculativeEngine
 from .heads_drafter import HEADS_MIN_PROB, HeadsDrafter
@@ -24,7 +25,7 @@ from .models import (
     release_free_memory,
 )
 from .quant import CALIBRATION_TEXT, quantize_linears, quantized_cache_path, replace_linears, w8a8_layer
-from .runner import BatchRunner, fastest_min_feed
+from .runner import BatchRunner
 
 
 class IncompatibleDraftError(ValueError):
@@ -142,7 +143,7 @@ def prepare_draft_model(draft: LoadedModel, spec: EngineSpec, target: LoadedMode
     elif spec.draft_quant != "none":
         raise ValueError(f"--draft-quant must be int8 or none, got {spec.draft_quant!r}")
     runner = BatchRunner(model, draft.device)
-    runner.min_feed = fastest_min_feed(runner)
+    runner.min_feed = cached_min_feed(runner, draft.name)
     min_prob = spec.draft_min_prob
     if min_prob is None:
         preset = PRESETS.get(draft.name)
@@ -228,7 +229,7 @@ def build_engines(
     # so the draft's load-time temporaries never add to them (the app's peak RSS was 6.7 GiB, now its steady 5.0).
     # A quantized target's rows must not depend on each other (lossless verification): row-by-row attention.
     runner = BatchRunner(target.model, target.device, exact_rows=spec.target_quant != "none", compile=spec.compile)
-    runner.min_feed = fastest_min_feed(runner)
+    runner.min_feed = cached_min_feed(runner, target.name)
     if runner.min_feed > 1:
         log(f"{target.name}: one-token steps are fed as two (a one-row matmul is slower here)")
     k_policy = k_policy_factory(spec.k, spec.k_min, spec.k_max)

@@ -10,8 +10,10 @@ import json
 import os
 import platform
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -19,6 +21,7 @@ from .engine import SpeculativeEngine
 from .kv import Feed
 from .models import cache_dir
 from .quant import CALIBRATION_TEXT
+from .runner import BatchRunner, fastest_min_feed
 from .timing import median_seconds
 
 
@@ -114,9 +117,8 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def grid_key(engine: SpeculativeEngine) -> dict:
-    """Everything a measured grid depends on: the machine, the model and its format, torch, the grid's shape."""
-    runner = engine.runner
+def runner_key(runner: BatchRunner, model: str) -> dict:
+    """Everything a forward's time depends on: the machine, the model and its format, torch."""
     layer = runner.layers[0]
     device = runner.device
     return {
@@ -125,28 +127,47 @@ def grid_key(engine: SpeculativeEngine) -> dict:
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "device": device.type,
-        "model": engine.target.name,
+        "model": model,
         "format": f"{type(layer.mlp.down_proj).__name__}/{runner.dtype}",
         "exact_rows": runner.exact_rows,
-        "min_feed": runner.min_feed,
-        "grid": [COST_BATCHES, COST_PER_SEQUENCE, COST_CONTEXT],
     }
+
+
+def grid_key(engine: SpeculativeEngine) -> dict:
+    """Everything a measured grid depends on: runner_key, the one-token steps' width, the grid's shape."""
+    grid = [COST_BATCHES, COST_PER_SEQUENCE, COST_CONTEXT]
+    return {**runner_key(engine.runner, engine.target.name), "min_feed": engine.runner.min_feed, "grid": grid}
+
+
+def _cached(prefix: str, field: str, key: dict, measure: Callable[[], Any]) -> tuple[Any, bool]:
+    """What measure() gives for key, from the cache or measured now and stored as {"key": key, field: value} in a
+    file named by prefix and key; and whether it came from the cache."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    path = cache_dir() / "forward-costs" / f"{prefix}{digest}.json"
+    if path.exists():
+        try:
+            return json.loads(path.read_text())[field], True
+        except (ValueError, KeyError):  # a torn or foreign file: measure again
+            pass
+    value = measure()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps({"key": key, field: value}, indent=1))
+    partial.replace(path)
+    return value, False
 
 
 def cached_forward_costs(engine: SpeculativeEngine, trials: int = 1) -> tuple[ForwardCosts, bool]:
     """The grid for this engine from the cache, or measured now and stored; and whether it came from the cache.
     A grid measured once on a machine stands for it: the load-aware K needs its shape more than its last percent."""
-    key = grid_key(engine)
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    path = cache_dir() / "forward-costs" / f"{digest}.json"
-    if path.exists():
-        try:
-            return ForwardCosts.from_dict(json.loads(path.read_text())["costs"]), True
-        except (ValueError, KeyError):  # a torn or foreign file: measure again
-            pass
-    costs = measure_forward_costs(engine, trials=trials)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(".partial")
-    partial.write_text(json.dumps({"key": key, "costs": costs.as_dict()}, indent=1))
-    partial.replace(path)
-    return costs, False
+    measure = lambda: measure_forward_costs(engine, trials=trials).as_dict()  # noqa: E731
+    value, cached = _cached("", "costs", grid_key(engine), measure)
+    return ForwardCosts.from_dict(value), cached
+
+
+def cached_min_feed(runner: BatchRunner, model: str) -> int:
+    """fastest_min_feed, timed once per machine, model, format and torch version (it took ~0.8 s of every start)."""
+    if runner.device.type != "cpu":
+        return fastest_min_feed(runner)
+    value, _ = _cached("min-feed-", "min_feed", runner_key(runner, model), lambda: fastest_min_feed(runner))
+    return int(value)

@@ -22,7 +22,7 @@ from app.server import ModelLoader
 from commands.voice_client import send_speech
 from pipeline.agent import AgentConfig, VoiceAgent
 from pipeline.asr import Transcriber
-from pipeline.llm_provider import SharedProvider
+from pipeline.llm_provider import WARMUP_STEPS_PER_MODE, SharedProvider
 from pipeline.tts import TTS
 from pipeline.vad import EndOfTurnDetector
 from specdec.cost_grid import COST_BATCHES
@@ -171,3 +171,17 @@ def test_specvoice_app_starts_loads_and_stops(tiny_engine):
     for i, step in enumerate(steps):  # the terminal shows each loading step, warm-up included, as it starts
         assert re.search(rf"loading step {i + 1}/{len(steps)}: {re.escape(step)} \(\d+\.\d s elapsed\)", out), out
     assert re.search(r"warmed up in \d+\.\d s: ready", out), out
+
+
+def test_the_llm_warm_up_stops_after_a_few_steps_of_each_mode():
+    """A prefill and a few steps pay the first-call costs: a long warm-up reply is cut, in both modes."""
+    steps: list[bool] = []
+
+    class Counting(ScriptedLLM):
+        def stream_reply(self, messages, speculation, stats, cancel=None):
+            for delta in super().stream_reply(messages, speculation, stats, cancel):
+                steps.append(speculation)
+                yield delta
+
+    SharedProvider(Counting(" ".join(["word"] * 40), step_s=0)).warmup()
+    assert steps == [False] * WARMUP_STEPS_PER_MODE + [True] * WARMUP_STEPS_PER_MODE

@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from specdec.cost_grid import ForwardCosts, cached_forward_costs, measure_forward_costs
+from specdec.cost_grid import ForwardCosts, cached_forward_costs, cached_min_feed, measure_forward_costs
 from specdec.drafters import DraftModelDrafter, Proposal
 from specdec.engine import EngineSession, GenerationConfig, StepEvent, collect
 from specdec.kv import PENDING
@@ -265,6 +265,21 @@ def test_the_grid_is_measured_once_per_machine_model_and_format(tiny_engine, tmp
     for path in (tmp_path / "forward-costs").iterdir():
         path.write_text("{torn")  # a torn file is measured again, not a crash
     assert cached_forward_costs(engine)[1] is False and len(measured) == 3
+
+
+def test_the_one_token_width_is_timed_once_per_machine_model_and_format(tiny_engine, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECVOICE_CACHE", str(tmp_path))
+    target, _ = tiny_engine.models
+    runner = BatchRunner(target.model, target.device)
+    if runner.device.type != "cpu":
+        pytest.skip("a GPU never pads a one-token step: nothing is timed")
+    timed = []
+    monkeypatch.setattr("specdec.cost_grid.fastest_min_feed", lambda runner: timed.append(runner) or 2)
+    assert [cached_min_feed(runner, target.name) for _ in range(2)] == [2, 2] and len(timed) == 1
+    assert cached_min_feed(runner, "another model") == 2 and len(timed) == 2
+    for path in (tmp_path / "forward-costs").iterdir():
+        path.write_text("{torn")  # timed again, not a crash
+    assert cached_min_feed(runner, target.name) == 2 and len(timed) == 3
 
 
 def test_choose_ks_drafts_while_the_forward_is_memory_bound_and_stops_past_the_ridge():
