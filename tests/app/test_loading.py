@@ -93,8 +93,11 @@ def test_the_app_is_ready_once_every_stage_is_warm(monkeypatch):
     ran: list[str] = []
     feed = EndOfTurnDetector.feed
 
+    loader_thread: list[int] = []  # the feed is patched for every thread: a loader left by another test feeds too
+
     def vad_feed(self, *args):
-        ran.append("vad")
+        if threading.get_ident() in loader_thread:
+            ran.append("vad")
         return feed(self, *args)
 
     class RecordingASR:
@@ -118,12 +121,17 @@ def test_the_app_is_ready_once_every_stage_is_warm(monkeypatch):
 
     monkeypatch.setattr(EndOfTurnDetector, "feed", vad_feed)
     statuses: list[tuple[dict, set[str]]] = []
+
+    def build(progress):
+        loader_thread.append(threading.get_ident())
+        return VoiceAgent(
+            AgentConfig(), SharedProvider(RecordingLLM("Hi.")), transcriber=RecordingASR(), tts=RecordingTTS()
+        )
+
     loader = ModelLoader(
         AgentConfig(),
         lambda status: statuses.append((status, set(ran))),
-        lambda progress: VoiceAgent(
-            AgentConfig(), SharedProvider(RecordingLLM("Hi.")), transcriber=RecordingASR(), tts=RecordingTTS()
-        ),
+        build,
     )
     loader.start()
     assert loader.finished.wait(30) and loader.ready, loader.error
