@@ -53,7 +53,7 @@ class TurnListener:
     ) -> None:
         self.turn_end = turn_end
         self.vad = EndOfTurnDetector(hangover_ms=turn_end.hangover_ms(None))
-        # A whisper call costs ~0.2 s here (10 s window). Partials every second leave the ASR thread idle most of
+        # A whisper call costs ~0.15 s here (10 s window). Partials every second leave the ASR thread idle most of
         # the time, so the call started when the speaker pauses can begin at once.
         # wake: called on the ASR thread after each pass, so the owner can poll() between audio frames.
         self.asr = StreamingTranscriber(transcriber, interval_s=asr_interval_s, capacity=capacity, on_pass=wake)
