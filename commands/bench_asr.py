@@ -78,7 +78,7 @@ class Setting:
     model: str
     beam_size: int
     window_s: int
-    threads: int = DEFAULT_CPU_THREADS
+    threads: int
 
     @property
     def name(self) -> str:
