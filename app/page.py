@@ -5,7 +5,12 @@ app/static/app.js fills and drives over the WebSocket, looking every element up 
 from __future__ import annotations
 
 import html
+import importlib
+import importlib.abc
+import importlib.util
+import sys
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 from pipeline.timeline import STAGES
@@ -16,6 +21,43 @@ if TYPE_CHECKING:
 
 STATIC_DIR = Path(__file__).parent / "static"
 K_CHOICES = tuple(range(1, 9))  # the K menu's fixed values, beside "adaptive"
+
+
+class _NoStubRewrite(importlib.abc.MetaPathFinder):
+    """Loads gradio.component_meta with its create_or_modify_pyi made a no-op. At import, every Gradio component
+    class re-parses its module's source to rewrite its .pyi stub (a task for Gradio's developers): 1.3-1.9 s of each
+    start here, measured. The stubs serve type checkers only; nothing at run time reads them."""
+
+    MODULE = "gradio.component_meta"
+
+    def find_spec(self, name: str, path: object = None, target: object = None) -> importlib.machinery.ModuleSpec | None:
+        if name != self.MODULE:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def run(module: ModuleType) -> None:
+            exec_module(module)
+            module.create_or_modify_pyi = lambda *args: None  # type: ignore[attr-defined]
+
+        spec.loader.exec_module = run  # type: ignore[method-assign]
+        return spec
+
+
+def import_gradio() -> ModuleType:
+    """gradio, imported without rewriting its type stubs (_NoStubRewrite)."""
+    if "gradio" in sys.modules:
+        return sys.modules["gradio"]
+    finder = _NoStubRewrite()
+    sys.meta_path.insert(0, finder)
+    try:
+        return importlib.import_module("gradio")
+    finally:
+        if finder in sys.meta_path:  # a gradio without that module: leave the import system as it was
+            sys.meta_path.remove(finder)
 
 
 def _definition(name: str) -> str:
@@ -152,9 +194,9 @@ def head_html(static_path: str) -> str:
 
 
 def build_blocks(max_text_chars: int, max_ab_repeats: int, max_background: int) -> gradio.Blocks:
-    import gradio as gr
-
     from .casestudy import build_tab
+
+    gr = import_gradio()
 
     with gr.Blocks(title="specvoice") as demo:
         with gr.Tab("Voice agent"):

@@ -193,8 +193,9 @@ class AppServer:
                 await asyncio.wait_for(ws.close(CLOSE_SLOW_READER, refusal), CLOSE_WAIT_S)
 
     def build_app(self):
-        import gradio as gr
         from fastapi import FastAPI, HTTPException
+
+        gr = page.import_gradio()
 
         api = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
 

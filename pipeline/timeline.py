@@ -38,7 +38,6 @@ class Timeline:
     first_audio_ready: float | None = None  # the TTS had the first samples (held until confirmed if early)
     early_discarded: int = 0  # early answers of this turn thrown away (the user went on, or other final words)
     silence_rule_ms: float | None = None  # what a fixed silence would have waited, when words ended the turn
-    prefilled_while_speaking_tokens: int = 0  # prompt tokens prefilled from partial transcripts before the answer
 
     def mark(self, name: str, t: float) -> None:
         if name not in MARKS:
@@ -97,5 +96,4 @@ class Timeline:
             "early_start_ms": (self.early_start - t0) * 1000 if (t0 and self.early_start) else None,
             "early_discarded": self.early_discarded,
             "saved_ms": self.saved_ms(),
-            "prefilled_while_speaking_tokens": self.prefilled_while_speaking_tokens,
         }

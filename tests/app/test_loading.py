@@ -193,3 +193,15 @@ def test_the_llm_warm_up_stops_after_a_few_steps_of_each_mode():
 
     SharedProvider(Counting(" ".join(["word"] * 40), step_s=0)).warmup()
     assert steps == [False] * WARMUP_STEPS_PER_MODE + [True] * WARMUP_STEPS_PER_MODE
+
+
+def test_gradio_is_imported_without_rewriting_its_type_stubs():
+    """At import, Gradio rewrites each component's .pyi stub from its source (1.3-1.9 s of every start here): the
+    app's import skips that one step, and leaves the import system as it found it."""
+    code = (
+        "import sys; from app.page import import_gradio; gr = import_gradio(); import gradio.component_meta as m; "
+        "print(m.create_or_modify_pyi.__module__, gr.Blocks.__name__, len(sys.meta_path))"
+    )
+    before = subprocess.run([sys.executable, "-c", "import sys; print(len(sys.meta_path))"], capture_output=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["app.page", "Blocks", before.stdout.decode().strip()]

@@ -61,6 +61,19 @@ def test_w8a8_row_scale_is_per_row(layer_type):
     assert torch.equal(layer(x)[0], layer(big)[0])
 
 
+def test_a_layer_packed_in_slices_gives_the_same_outputs_as_one_packed_whole(monkeypatch):
+    """fbgemm packs a large layer (an LM head) in slices, as fast as its parts; every output column is computed on
+    its own, so the slices must give the same values bit for bit, with the bias added once."""
+    linear = torch.nn.Linear(256, 1000)
+    whole = Int8RowLinearFbgemm(linear)
+    monkeypatch.setattr(Int8RowLinearFbgemm, "PACK_ROWS", 300)
+    sliced = Int8RowLinearFbgemm(linear)
+    assert [(start, end) for start, end, _ in sliced._packed] == [(0, 250), (250, 500), (500, 750), (750, 1000)]
+    assert len(whole._packed) == 1 and sliced.packed_weight_bytes == whole.packed_weight_bytes
+    x = torch.randn(2, 5, 256)
+    assert torch.equal(sliced(x), whole(x))
+
+
 def test_unknown_format_is_refused(tiny_engine):
     with pytest.raises(ValueError, match="--target-quant"):
         quantize_linears(tiny_engine.target.model, "fp8")
