@@ -128,7 +128,7 @@ def runner_key(runner: BatchRunner, model: str) -> dict:
         "torch": torch.__version__,
         "device": device.type,
         "model": model,
-        "format": f"{type(layer.mlp.down_proj).__name__}/{runner.dtype}",
+        "format": f"{type(layer.mlp.down_proj).__name__}/{runner.dtype}{'/fused' if runner.fused else ''}",
         "exact_rows": runner.exact_rows,
     }
 

@@ -178,7 +178,7 @@ def cpu_has_amx() -> bool:
         return False
 
 
-def w8a8_layer() -> type[torch.nn.Module]:
+def w8a8_layer() -> type[RowInt8Linear]:
     """The w8a8 layer measured faster on this kind of CPU: oneDNN with AMX, fbgemm without (docs/results.md)."""
     return Int8RowLinear if cpu_has_amx() else Int8RowLinearFbgemm
 
@@ -275,27 +275,27 @@ def quantize_linears(
     quantized layer turns that last-bit difference into a whole int8 step now and then: with a bf16 remainder, 3 of
     6 speculative answers left target-only's greedy path. float32 is also 2–7% faster here.
 
+    w8a8 fuses the layers that read the same input (FUSED_GROUPS) into one.
     calibration_ids: token ids of CALIBRATION_TEXT; given, w8a8 smooths the MLPs' down projections first.
     cache: for w8a8, a file of the int8 weights: read when it exists (no smoothing, no quantizing), else written.
     """
     if quant == "none":
         return model
-    makers: dict[str, Callable[[torch.nn.Linear], torch.nn.Module]] = {
-        "int8": Int8WeightLinear,
+    rows: dict[str, type[RowInt8Linear]] = {
         "w8a8": w8a8_layer(),
         "w8a8-onednn": Int8RowLinear,
         "w8a8-fbgemm": Int8RowLinearFbgemm,
+    }
+    weight_only: dict[str, Callable[[torch.nn.Linear], torch.nn.Module]] = {
+        "int8": Int8WeightLinear,
         "int4": _int4_or_int8,
     }
-    make = makers.get(quant)
-    if make is None:
-        raise ValueError(f"--target-quant must be one of {', '.join(TARGET_QUANTS)}, got {quant!r}")
-    if cache is not None and isinstance(make, type) and issubclass(make, RowInt8Linear):
-        _w8a8_through_cache(model, make, calibration_ids, cache)
+    if quant in rows:
+        _w8a8_rows(model, rows[quant], calibration_ids, cache)
+    elif quant in weight_only:
+        replace_linears(model, weight_only[quant])
     else:
-        if quant.startswith("w8a8") and calibration_ids is not None:
-            smooth_mlp_inputs(model, calibration_ids)
-        replace_linears(model, make)
+        raise ValueError(f"--target-quant must be one of {', '.join(TARGET_QUANTS)}, got {quant!r}")
     embeddings = model.get_input_embeddings()
     table_dtype = embeddings.weight.dtype
     model.float()
@@ -307,34 +307,110 @@ def quantize_linears(
     return model
 
 
-def _w8a8_through_cache(
-    model: PreTrainedModel, layer: type[RowInt8Linear], calibration_ids: torch.Tensor | None, cache: Path
+def _w8a8_rows(
+    model: PreTrainedModel,
+    layer: type[RowInt8Linear],
+    calibration_ids: torch.Tensor | None,
+    cache: Path | None,
 ) -> None:
-    """w8a8 from the cached int8 weights, or quantized (smoothed first) with the int8 weights written to cache."""
+    """w8a8 from the cached int8 weights, or quantized (smoothed first) with the int8 weights written to cache. The
+    cache keeps each Linear's rows under its own name, whatever is fused."""
     from safetensors.torch import load_file, save_file
 
-    if cache.exists():
+    if cache is not None and cache.exists():
         saved = load_file(cache)
-        _replace_named(
-            model,
-            lambda name, _: layer.from_int8(saved[f"{name}.q"], saved[f"{name}.scale"], saved.get(f"{name}.bias")),
-        )
+
+        def read(name: str, _: torch.nn.Linear) -> Rows:
+            return saved[f"{name}.q"], saved[f"{name}.scale"], saved.get(f"{name}.bias")
+
+        _replace_rows(model, layer, read)
         return
     if calibration_ids is not None:
         smooth_mlp_inputs(model, calibration_ids)
     rows: dict[str, torch.Tensor] = {}
 
-    def build(name: str, linear: torch.nn.Linear) -> torch.nn.Module:
+    def quantize(name: str, linear: torch.nn.Linear) -> Rows:
         rows[f"{name}.q"], rows[f"{name}.scale"] = q, scale = int8_rows(linear.weight)
-        if linear.bias is not None:
-            rows[f"{name}.bias"] = linear.bias.detach().float()
-        return layer.from_int8(q, scale, linear.bias)
+        bias = None if linear.bias is None else linear.bias.detach().float()
+        if bias is not None:
+            rows[f"{name}.bias"] = bias
+        return q, scale, bias
 
-    _replace_named(model, build)
+    _replace_rows(model, layer, quantize)
+    if cache is None:
+        return
     cache.parent.mkdir(parents=True, exist_ok=True)
     partial = cache.with_name(f"{cache.name}.{os.getpid()}.partial")  # never a half-written file under the name
     save_file(rows, str(partial))
     os.replace(partial, cache)
+
+
+Rows = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # a layer's int8 weights, scales and bias
+# Linear layers of one module that read the same input, as Qwen2- and Llama-shaped decoders name them: w8a8 runs
+# each group as one layer, one activation quantization and one GEMM instead of three or two (a one-token forward
+# of the 1.5B target: 75 ms against 85, the same logits bit for bit, docs/results.md).
+FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class RowSlice(torch.nn.Module):
+    """One Linear's rows of a fused w8a8 layer (FUSED_GROUPS). The runner calls the fused layer once and splits its
+    output (runner.layer_parts); code that calls the layers one by one, as transformers' own forward does (the
+    quality tools), gets the same values, each slice computing the whole fused layer."""
+
+    def __init__(self, fused: RowInt8Linear, start: int, end: int) -> None:
+        super().__init__()
+        self.fused, self.start, self.end = fused, start, end
+        self.in_features, self.out_features = fused.in_features, end - start
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fused(x)[..., self.start : self.end]
+
+
+def fused_layer(*layers: torch.nn.Module) -> RowInt8Linear | None:
+    """The fused layer that `layers`, in this order, are the whole of; None if they are not."""
+    if not all(isinstance(one, RowSlice) for one in layers):
+        return None
+    slices: list[RowSlice] = list(layers)  # type: ignore[arg-type]
+    fused = slices[0].fused
+    bounds = [0, *(one.end for one in slices)]
+    whole = all(one.fused is fused and one.start == at for one, at in zip(slices, bounds))
+    return fused if whole and bounds[-1] == fused.out_features else None
+
+
+def _replace_rows(
+    model: torch.nn.Module, layer: type[RowInt8Linear], rows: Callable[[str, torch.nn.Linear], Rows]
+) -> None:
+    """Every nn.Linear replaced by a `layer` built from rows(its name, it); each FUSED_GROUPS group of one module by
+    one layer over all their rows, each of its Linears by a RowSlice of it. Built on all of torch's threads."""
+    found = _linears(model)
+    by_parent: dict[int, dict[str, tuple[str, torch.nn.Module, str, torch.nn.Linear]]] = {}
+    for one in found:
+        by_parent.setdefault(id(one[1]), {})[one[2]] = one
+    jobs = []
+    for children in by_parent.values():
+        for group in FUSED_GROUPS:
+            if all(name in children for name in group):
+                jobs.append([children.pop(name) for name in group])
+        jobs += [[one] for one in children.values()]
+
+    def build(job: list[tuple[str, torch.nn.Module, str, torch.nn.Linear]]) -> RowInt8Linear:
+        parts = [rows(name, linear) for name, _, _, linear in job]
+        if len(parts) == 1:
+            return layer.from_int8(*parts[0])
+        biases = [bias for _, _, bias in parts]
+        bias = None if any(b is None for b in biases) else torch.cat(biases)  # type: ignore[arg-type]
+        return layer.from_int8(torch.cat([q for q, _, _ in parts]), torch.cat([s for _, s, _ in parts]), bias)
+
+    with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
+        for job, built in zip(jobs, pool.map(build, jobs)):  # set as each arrives: the float layers go as they come
+            if len(job) == 1:
+                _, parent, name, _ = job[0]
+                setattr(parent, name, built)
+                continue
+            at = 0
+            for _, parent, name, linear in job:
+                setattr(parent, name, RowSlice(built, at, at + linear.out_features))
+                at += linear.out_features
 
 
 def quantized_cache_path(model: PreTrainedModel, quant: str, name: str) -> Path | None:
@@ -356,20 +432,19 @@ def quantized_cache_path(model: PreTrainedModel, quant: str, name: str) -> Path 
 
 
 def replace_linears(module: torch.nn.Module, make: Callable[[torch.nn.Linear], torch.nn.Module]) -> None:
-    """Every nn.Linear inside `module` replaced, in place, by make(linear)."""
-    _replace_named(module, lambda name, linear: make(linear))
+    """Every nn.Linear inside `module` replaced, in place, by make(linear), built on all of torch's threads: packing
+    a weight runs on one, and the 1.5B target's took 18 s that way."""
+    found = _linears(module)
+    with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
+        for (_, parent, name, _), layer in zip(found, pool.map(lambda one: make(one[3]), found)):
+            setattr(parent, name, layer)  # as each arrives, so the float layers go as the int8 ones come
 
 
-def _replace_named(module: torch.nn.Module, make: Callable[[str, torch.nn.Linear], torch.nn.Module]) -> None:
-    """Every nn.Linear inside `module` replaced, in place, by make(its name, it), built on all of torch's threads:
-    packing a weight runs on one, and the 1.5B target's took 18 s that way."""
-    found = [
+def _linears(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str, torch.nn.Linear]]:
+    """Every nn.Linear inside `module`: (its full name, its parent, its name there, it)."""
+    return [
         (f"{prefix}.{name}" if prefix else name, parent, name, child)
         for prefix, parent in module.named_modules()
         for name, child in parent.named_children()
         if type(child) is torch.nn.Linear
     ]
-    with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
-        built = pool.map(lambda one: make(one[0], one[3]), found)
-        for (_, parent, name, _), layer in zip(found, built):
-            setattr(parent, name, layer)  # as each arrives, so the float layers go as the int8 ones come

@@ -18,7 +18,7 @@ import torch
 
 from .attention import causal_attention, rotate, row_attention
 from .kv import PENDING, Feed, SequenceCache
-from .quant import keep_int8_matmul_eager
+from .quant import fused_layer, keep_int8_matmul_eager
 from .timing import median_seconds
 
 if TYPE_CHECKING:
@@ -54,6 +54,7 @@ class BatchRunner:
         self.scaling = attn.scaling
         self.dtype = decoder.norm.weight.dtype  # what the model's remainder computes in (float32 once quantized)
         self.parts = [layer_parts(layer, self.n_heads, self.kv_heads, self.head_dim) for layer in self.layers]
+        self.fused = fused_layer(attn.q_proj, attn.k_proj, attn.v_proj) is not None  # w8a8's fused layers
         if compile:  # dynamic: one graph for every number of rows; CUDA graphs per shape on a GPU
             keep_int8_matmul_eager()
             mode = "reduce-overhead" if device.type == "cuda" else "default"
@@ -146,20 +147,29 @@ class BatchRunner:
 
 def layer_parts(layer: Any, n_heads: int, kv_heads: int, head_dim: int) -> tuple[Callable, Callable]:
     """A decoder layer's dense halves around attention, each of fixed shape for a given number of rows (what
-    torch.compile can take): norm → q, k, v projections → rotary; and o_proj → residual → norm → MLP → residual."""
-    attn = layer.self_attn
+    torch.compile can take): norm → q, k, v projections → rotary; and o_proj → residual → norm → MLP → residual.
+    Layers fused by w8a8 (quant.FUSED_GROUPS) run once, their output split."""
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv = fused_layer(attn.q_proj, attn.k_proj, attn.v_proj)
+    gate_up = fused_layer(mlp.gate_proj, mlp.up_proj)
+    widths = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
 
     def project(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
         h = layer.input_layernorm(x)
         rows = h.shape[1]
-        q = attn.q_proj(h).view(rows, n_heads, head_dim).transpose(0, 1)
-        k = attn.k_proj(h).view(rows, kv_heads, head_dim).transpose(0, 1)
-        v = attn.v_proj(h).view(rows, kv_heads, head_dim).transpose(0, 1)
+        q, k, v = qkv(h).split(widths, dim=-1) if qkv is not None else (attn.q_proj(h), attn.k_proj(h), attn.v_proj(h))
+        q = q.view(rows, n_heads, head_dim).transpose(0, 1)
+        k = k.view(rows, kv_heads, head_dim).transpose(0, 1)
+        v = v.view(rows, kv_heads, head_dim).transpose(0, 1)
         return rotate(q, cos, sin), rotate(k, cos, sin), v
 
     def finish(x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         x = x + attn.o_proj(attended.reshape(1, attended.shape[0], -1))
-        return x + layer.mlp(layer.post_attention_layernorm(x))
+        h = layer.post_attention_layernorm(x)
+        if gate_up is None:
+            return x + mlp(h)
+        gate, up = gate_up(h).split([mlp.gate_proj.out_features, mlp.up_proj.out_features], dim=-1)
+        return x + mlp.down_proj(mlp.act_fn(gate) * up)
 
     return project, finish
 

@@ -12,9 +12,11 @@ from specdec.quant import (
     Int8RowLinear,
     Int8RowLinearFbgemm,
     Int8WeightLinear,
+    fused_layer,
     quantize_linears,
     quantized_cache_path,
 )
+from specdec.runner import BatchRunner
 from tests.support.engine import cpu_only
 
 LAYERS = {"int8": Int8WeightLinear, "w8a8": Int8RowLinear, "w8a8-fbgemm": Int8RowLinearFbgemm, "int4": Int4WeightLinear}
@@ -72,6 +74,35 @@ def test_a_layer_packed_in_slices_gives_the_same_outputs_as_one_packed_whole(mon
     assert len(whole._packed) == 1 and sliced.packed_weight_bytes == whole.packed_weight_bytes
     x = torch.randn(2, 5, 256)
     assert torch.equal(sliced(x), whole(x))
+
+
+@cpu_only
+@pytest.mark.parametrize("quant", ["w8a8-fbgemm", "w8a8-onednn"])
+def test_w8a8_fuses_the_layers_that_read_one_input_without_changing_a_value(tiny_engine, quant, monkeypatch):
+    """q, k and v (and gate and up) run as one w8a8 layer: each keeps the outputs its own layer gives, bit for bit,
+    and the runner's forward over the fused layers gives the logits of one that runs them one by one."""
+    import copy
+
+    import specdec.runner
+
+    model = copy.deepcopy(tiny_engine.target.model)
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    groups = {attn: ("q_proj", "k_proj", "v_proj"), mlp: ("gate_proj", "up_proj")}
+    layer_type = Int8RowLinearFbgemm if quant == "w8a8-fbgemm" else Int8RowLinear
+    alone = {(m, n): layer_type(getattr(m, n)) for m, names in groups.items() for n in names}
+    quantize_linears(model, quant)
+    assert fused_layer(attn.q_proj, attn.k_proj, attn.v_proj) is not None
+    assert fused_layer(mlp.gate_proj, mlp.up_proj) is not None
+    assert fused_layer(attn.k_proj, attn.q_proj, attn.v_proj) is None and fused_layer(attn.q_proj) is None
+    x = torch.randn(5, attn.q_proj.in_features)
+    for (m, n), layer in alone.items():
+        assert torch.equal(getattr(m, n)(x), layer(x)), n
+    fused = BatchRunner(model, torch.device("cpu"), exact_rows=True)
+    monkeypatch.setattr(specdec.runner, "fused_layer", lambda *layers: None)
+    one_by_one = BatchRunner(model, torch.device("cpu"), exact_rows=True)
+    assert fused.fused and not one_by_one.fused
+    tokens = list(range(40, 60))
+    assert torch.equal(fused.new_cache().extend(tokens, n_logits=5), one_by_one.new_cache().extend(tokens, n_logits=5))
 
 
 def test_unknown_format_is_refused(tiny_engine):
