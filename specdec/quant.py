@@ -397,8 +397,9 @@ def _replace_rows(
         parts = [rows(name, linear) for name, _, _, linear in job]
         if len(parts) == 1:
             return layer.from_int8(*parts[0])
-        biases = [bias for _, _, bias in parts]
-        bias = None if any(b is None for b in biases) else torch.cat(biases)  # type: ignore[arg-type]
+        bias = None
+        if any(b is not None for _, _, b in parts):  # zeros for a layer without one
+            bias = torch.cat([b if b is not None else q.new_zeros(len(q), dtype=torch.float32) for q, _, b in parts])
         return layer.from_int8(torch.cat([q for q, _, _ in parts]), torch.cat([s for _, s, _ in parts]), bias)
 
     with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:

@@ -105,6 +105,20 @@ def test_w8a8_fuses_the_layers_that_read_one_input_without_changing_a_value(tiny
     assert torch.equal(fused.new_cache().extend(tokens, n_logits=5), one_by_one.new_cache().extend(tokens, n_logits=5))
 
 
+def test_a_fused_group_keeps_each_layers_bias_or_its_lack():
+    from specdec.quant import _w8a8_rows
+
+    torch.manual_seed(0)
+    block = torch.nn.Module()
+    block.q_proj, block.k_proj, block.v_proj = (torch.nn.Linear(64, n, bias=n == 32) for n in (32, 16, 16))
+    alone = {name: Int8RowLinearFbgemm(getattr(block, name)) for name in ("q_proj", "k_proj", "v_proj")}
+    _w8a8_rows(block, Int8RowLinearFbgemm, None, None)
+    assert fused_layer(block.q_proj, block.k_proj, block.v_proj) is not None
+    x = torch.randn(3, 64)
+    for name, layer in alone.items():
+        assert torch.equal(getattr(block, name)(x), layer(x)), name
+
+
 def test_unknown_format_is_refused(tiny_engine):
     with pytest.raises(ValueError, match="--target-quant"):
         quantize_linears(tiny_engine.target.model, "fp8")
