@@ -330,10 +330,12 @@ def _w8a8_rows(
     rows: dict[str, torch.Tensor] = {}
 
     def quantize(name: str, linear: torch.nn.Linear) -> Rows:
-        rows[f"{name}.q"], rows[f"{name}.scale"] = q, scale = int8_rows(linear.weight)
+        q, scale = int8_rows(linear.weight)
         bias = None if linear.bias is None else linear.bias.detach().float()
-        if bias is not None:
-            rows[f"{name}.bias"] = bias
+        if cache is not None:  # kept for the file; without one, each layer's int8 copy is freed once packed
+            rows[f"{name}.q"], rows[f"{name}.scale"] = q, scale
+            if bias is not None:
+                rows[f"{name}.bias"] = bias
         return q, scale, bias
 
     _replace_rows(model, layer, quantize)
