@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 from pipeline.agent import AgentConfig, VoiceAgent, make_transcriber
 from pipeline.tts import make_tts
+from specdec.quant import prepack_cache
 
 from . import page
 
@@ -38,6 +39,12 @@ class ModelLoader:
         self.step_s: list[tuple[str, float]] = []  # the steps done and their seconds
         self.t0 = self._step_t0 = time.perf_counter()
         self.load_s: float | None = None
+
+    def prepack(self) -> None:
+        """Start packing the target's cached int8 layers now (specdec.quant.prepack_cache): C++ work that holds no
+        GIL, so it runs beside the page's build on the other core. The load takes the layers when it gets there."""
+        if not self.config.llm_url:
+            prepack_cache(self.config.engine.target, self.config.engine.target_quant)
 
     def start(self) -> None:
         self.t0 = self._step_t0 = time.perf_counter()

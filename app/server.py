@@ -335,6 +335,7 @@ def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="[specvoice] %(message)s")
     log.setLevel(logging.INFO)
     server = AppServer(*server_setup(args))
+    server.loader.prepack()
     app = server.build_app()
     log.info("%s", server.options.allowed().describe())
     log.info("loading models in the background; open http://%s:%d", _url_host(args.host), args.port)

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 import warnings
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -183,6 +184,14 @@ def w8a8_layer() -> type[RowInt8Linear]:
     return Int8RowLinear if cpu_has_amx() else Int8RowLinearFbgemm
 
 
+# the w8a8 --target-quant values and the layer each builds
+W8A8_LAYERS: dict[str, Callable[[], type[RowInt8Linear]]] = {
+    "w8a8": w8a8_layer,
+    "w8a8-onednn": lambda: Int8RowLinear,
+    "w8a8-fbgemm": lambda: Int8RowLinearFbgemm,
+}
+
+
 class Int4WeightLinear(torch.nn.Module):
     """Asymmetric int4 weights in groups of INT4_GROUP inputs, packed for torch's CPU int4 matmul (bf16 in/out)."""
 
@@ -281,27 +290,23 @@ def quantize_linears(
     """
     if quant == "none":
         return model
-    rows: dict[str, type[RowInt8Linear]] = {
-        "w8a8": w8a8_layer(),
-        "w8a8-onednn": Int8RowLinear,
-        "w8a8-fbgemm": Int8RowLinearFbgemm,
-    }
     weight_only: dict[str, Callable[[torch.nn.Linear], torch.nn.Module]] = {
         "int8": Int8WeightLinear,
         "int4": _int4_or_int8,
     }
-    if quant in rows:
-        _w8a8_rows(model, rows[quant], calibration_ids, cache)
+    if quant in W8A8_LAYERS:
+        _w8a8_rows(model, W8A8_LAYERS[quant](), calibration_ids, cache)
     elif quant in weight_only:
         replace_linears(model, weight_only[quant])
     else:
         raise ValueError(f"--target-quant must be one of {', '.join(TARGET_QUANTS)}, got {quant!r}")
-    embeddings = model.get_input_embeddings()
-    table_dtype = embeddings.weight.dtype
-    model.float()
     # The embedding table stays as loaded (bf16: 445 MB less for the 1.5B) and hands out float32 rows, the same
-    # values a float32 table would (bf16 → float32 is exact).
-    embeddings.to(table_dtype)
+    # values a float32 table would (bf16 → float32 is exact). Left out of the conversion, not converted back: that
+    # round trip of the 1.5B's table took ~1 s of the start.
+    embeddings = model.get_input_embeddings()
+    for module in model.modules():
+        if module is not embeddings:
+            module._apply(lambda t: t.float() if t.is_floating_point() else t, recurse=False)  # Module.float's rule
     embeddings.register_forward_hook(lambda module, args, out: out.float())
     release_free_memory()
     return model
@@ -313,23 +318,27 @@ def _w8a8_rows(
     calibration_ids: torch.Tensor | None,
     cache: Path | None,
 ) -> None:
-    """w8a8 from the cached int8 weights, or quantized (smoothed first) with the int8 weights written to cache. The
-    cache keeps each Linear's rows under its own name, whatever is fused."""
-    from safetensors.torch import load_file, save_file
+    """w8a8 from the cached int8 weights (packed early by prepack_cache if it guessed this file), or quantized
+    (smoothed first) with the int8 weights written to cache. The cache keeps each Linear's rows under its own name,
+    whatever is fused."""
+    from safetensors.torch import save_file
 
+    found = {name: (parent, child, linear) for name, parent, child, linear in _linears(model)}
+    jobs = _fused_jobs(found)
     if cache is not None and cache.exists():
-        saved = load_file(cache)
-
-        def read(name: str, _: torch.nn.Linear) -> Rows:
-            return saved[f"{name}.q"], saved[f"{name}.scale"], saved.get(f"{name}.bias")
-
-        _replace_rows(model, layer, read)
+        os.utime(cache)  # the one used last: prepack_cache's guess next time
+        early = _take_prepacked(cache)
+        if early is not None and set(early) == set(jobs):
+            _install(found, early.items())
+            return
+        _install(found, _build_all(layer, jobs, _cache_reader(cache)))
         return
     if calibration_ids is not None:
         smooth_mlp_inputs(model, calibration_ids)
     rows: dict[str, torch.Tensor] = {}
 
-    def quantize(name: str, linear: torch.nn.Linear) -> Rows:
+    def quantize(name: str) -> Rows:
+        linear = found[name][2]
         q, scale = int8_rows(linear.weight)
         bias = None if linear.bias is None else linear.bias.detach().float()
         if cache is not None:  # kept for the file; without one, each layer's int8 copy is freed once packed
@@ -338,13 +347,20 @@ def _w8a8_rows(
                 rows[f"{name}.bias"] = bias
         return q, scale, bias
 
-    _replace_rows(model, layer, quantize)
+    _install(found, _build_all(layer, jobs, quantize))
     if cache is None:
         return
     cache.parent.mkdir(parents=True, exist_ok=True)
     partial = cache.with_name(f"{cache.name}.{os.getpid()}.partial")  # never a half-written file under the name
     save_file(rows, str(partial))
     os.replace(partial, cache)
+
+
+def _cache_reader(cache: Path) -> Callable[[str], Rows]:
+    from safetensors.torch import load_file
+
+    saved = load_file(cache)
+    return lambda name: (saved[f"{name}.q"], saved[f"{name}.scale"], saved.get(f"{name}.bias"))
 
 
 Rows = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # a layer's int8 weights, scales and bias
@@ -379,24 +395,33 @@ def fused_layer(*layers: torch.nn.Module) -> RowInt8Linear | None:
     return fused if whole and bounds[-1] == fused.out_features else None
 
 
-def _replace_rows(
-    model: torch.nn.Module, layer: type[RowInt8Linear], rows: Callable[[str, torch.nn.Linear], Rows]
-) -> None:
-    """Every nn.Linear replaced by a `layer` built from rows(its name, it); each FUSED_GROUPS group of one module by
-    one layer over all their rows, each of its Linears by a RowSlice of it. Built on all of torch's threads."""
-    found = _linears(model)
-    by_parent: dict[int, dict[str, tuple[str, torch.nn.Module, str, torch.nn.Linear]]] = {}
-    for one in found:
-        by_parent.setdefault(id(one[1]), {})[one[2]] = one
-    jobs = []
+Job = tuple[str, ...]  # the names of the Linears that one w8a8 layer is built from: one, or a FUSED_GROUPS group
+
+
+def _fused_jobs(names: Iterable[str]) -> list[Job]:
+    """Linear names (full, dotted) as w8a8 layers are built from them: each FUSED_GROUPS group of one module as one
+    job, in the group's order; every other Linear alone."""
+    by_parent: dict[str, dict[str, str]] = {}
+    for name in names:
+        parent, _, child = name.rpartition(".")
+        by_parent.setdefault(parent, {})[child] = name
+    jobs: list[Job] = []
     for children in by_parent.values():
         for group in FUSED_GROUPS:
-            if all(name in children for name in group):
-                jobs.append([children.pop(name) for name in group])
-        jobs += [[one] for one in children.values()]
+            if all(child in children for child in group):
+                jobs.append(tuple(children.pop(child) for child in group))
+        jobs += [(name,) for name in children.values()]
+    return jobs
 
-    def build(job: list[tuple[str, torch.nn.Module, str, torch.nn.Linear]]) -> RowInt8Linear:
-        parts = [rows(name, linear) for name, _, _, linear in job]
+
+def _build_all(
+    layer: type[RowInt8Linear], jobs: list[Job], rows: Callable[[str], Rows]
+) -> Iterator[tuple[Job, RowInt8Linear]]:
+    """Each job's `layer`, built from rows(name) of its Linears on all of torch's threads, yielded in order as they
+    are done (so the float layers they replace can go as they come)."""
+
+    def build(job: Job) -> RowInt8Linear:
+        parts = [rows(name) for name in job]
         if len(parts) == 1:
             return layer.from_int8(*parts[0])
         bias = None
@@ -405,15 +430,66 @@ def _replace_rows(
         return layer.from_int8(torch.cat([q for q, _, _ in parts]), torch.cat([s for _, s, _ in parts]), bias)
 
     with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
-        for job, built in zip(jobs, pool.map(build, jobs)):  # set as each arrives: the float layers go as they come
-            if len(job) == 1:
-                _, parent, name, _ = job[0]
-                setattr(parent, name, built)
-                continue
-            at = 0
-            for _, parent, name, linear in job:
-                setattr(parent, name, RowSlice(built, at, at + linear.out_features))
-                at += linear.out_features
+        yield from zip(jobs, pool.map(build, jobs))
+
+
+def _install(
+    found: dict[str, tuple[torch.nn.Module, str, torch.nn.Linear]], built: Iterable[tuple[Job, RowInt8Linear]]
+) -> None:
+    """Each built layer put in place of its Linear; a fused one as a RowSlice in place of each of its Linears."""
+    for job, layer in built:
+        at = 0
+        for name in job:
+            parent, child, linear = found[name]
+            setattr(parent, child, layer if len(job) == 1 else RowSlice(layer, at, at + linear.out_features))
+            at += linear.out_features
+
+
+# Packing a cached w8a8 target is seconds of C++ work that holds no GIL (fbgemm: ~7 core-s for the 1.5B). Started
+# early on a guess of the cache file, it runs beside the start's Python (imports, the page, the model's load).
+_prepacked: dict[Path, Future[dict[Job, RowInt8Linear]]] = {}
+
+
+def prepack_cache(name: str, quant: str) -> Path | None:
+    """Start packing, on background threads, the int8 cache file that the model `name` in `quant` most likely
+    reads: the one used last for that name and format. Only a guess, made before the model is loaded; _w8a8_rows
+    takes its layers only if the model's own key (quantized_cache_path) names this very file, and packs afresh
+    otherwise. Returns the file, or None when there is none to guess (or it is already being packed)."""
+    if quant not in W8A8_LAYERS:
+        return None
+    found = list((cache_dir() / "quantized").glob(f"{_safe(name)}-{quant}-*.safetensors"))
+    if not found:
+        return None
+    cache = max(found, key=lambda path: path.stat().st_mtime)
+    if cache in _prepacked:
+        return None
+    layer = W8A8_LAYERS[quant]()
+    future: Future[dict[Job, RowInt8Linear]] = Future()
+
+    def pack() -> None:
+        try:
+            from safetensors import safe_open
+
+            with safe_open(cache, "pt") as f:
+                names = [key.removesuffix(".q") for key in f.keys() if key.endswith(".q")]
+            future.set_result(dict(_build_all(layer, _fused_jobs(names), _cache_reader(cache))))
+        except Exception as e:  # a bad file: the load reads (and reports) it as before
+            future.set_exception(e)
+
+    _prepacked[cache] = future
+    threading.Thread(target=pack, name="w8a8-prepack", daemon=True).start()
+    return cache
+
+
+def _take_prepacked(cache: Path) -> dict[Job, RowInt8Linear] | None:
+    """The layers prepack_cache packed from `cache` (waiting for them), or None; every other early packing is
+    dropped, as no model will read it."""
+    early = _prepacked.pop(cache, None)
+    _prepacked.clear()
+    try:
+        return None if early is None else early.result()
+    except Exception:  # read again by the load, which reports what is wrong with the file
+        return None
 
 
 def quantized_cache_path(model: PreTrainedModel, quant: str, name: str) -> Path | None:
@@ -430,8 +506,11 @@ def quantized_cache_path(model: PreTrainedModel, quant: str, name: str) -> Path 
         flat = tensor.detach().reshape(-1)
         sample = flat[:: max(1, flat.numel() // 4096)].float().cpu().numpy().tobytes()
         digest.update(f"{key}{tuple(tensor.shape)}{tensor.dtype}".encode() + sample)
-    safe = "".join(c if c.isalnum() or c in "-." else "_" for c in name)
-    return cache_dir() / "quantized" / f"{safe}-{quant}-{digest.hexdigest()[:16]}.safetensors"
+    return cache_dir() / "quantized" / f"{_safe(name)}-{quant}-{digest.hexdigest()[:16]}.safetensors"
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-." else "_" for c in name)
 
 
 def replace_linears(module: torch.nn.Module, make: Callable[[torch.nn.Linear], torch.nn.Module]) -> None:

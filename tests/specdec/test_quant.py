@@ -198,5 +198,47 @@ def test_w8a8_read_from_its_cache_is_the_model_quantized_afresh(tiny_engine, tmp
         assert not torch.equal(smoothed_differently(input_ids=ids).logits, logits[2])  # the comparison can fail
 
 
+@cpu_only
+def test_a_cache_file_packed_early_is_taken_only_by_the_model_it_belongs_to(tiny_engine, tmp_path, monkeypatch):
+    """The app packs the cache file it guesses while the model loads (prepack_cache). The load takes those layers
+    when its own key names that file, and packs its own file afresh when the guess was another."""
+    import copy
+    import os
+
+    from specdec import quant
+
+    monkeypatch.setenv("SPECVOICE_CACHE", str(tmp_path))
+    cache = tmp_path / "quantized" / "tiny-w8a8-0123456789abcdef.safetensors"
+    other = cache.with_name("tiny-w8a8-fedcba9876543210.safetensors")
+    ids, calibration = torch.tensor([[5, 9, 2, 7, 1, 3, 8]]), torch.arange(3, 40)[None]
+
+    def quantized(path, smoothed=True):
+        model = copy.deepcopy(tiny_engine.target.model)
+        quantize_linears(model, "w8a8", calibration if smoothed else None, path)
+        with torch.inference_mode():
+            return model, model(input_ids=ids).logits
+
+    _, want = quantized(cache)  # writes the file
+    _, want_other = quantized(other, smoothed=False)  # another file for the same name, smoothed otherwise
+    assert not torch.equal(want, want_other)
+    os.utime(other, (0, 0))
+    assert quant.prepack_cache("tiny", "w8a8") == cache  # the newest file of that name and format
+    assert quant.prepack_cache("tiny", "w8a8") is None  # already packing
+    packed = list(quant._prepacked[cache].result().values())  # held: ids stay theirs
+    early = {id(layer) for layer in packed}
+    model, got = quantized(cache)
+    used = {id(m) for m in model.modules() if isinstance(m, quant.RowInt8Linear)}
+    assert used == early and torch.equal(got, want)
+    assert not quant._prepacked
+    os.utime(other, (0, 0))
+    assert quant.prepack_cache("tiny", "w8a8") == cache  # a wrong guess: the model reads `other`
+    packed = list(quant._prepacked[cache].result().values())  # held: ids stay theirs
+    early = {id(layer) for layer in packed}
+    model, got = quantized(other)
+    used = {id(m) for m in model.modules() if isinstance(m, quant.RowInt8Linear)}
+    assert not used & early and torch.equal(got, want_other)
+    assert not quant._prepacked  # the wrong guess's layers dropped
+
+
 def test_only_a_large_model_gets_a_quantized_cache_file(tiny_engine):
     assert quantized_cache_path(tiny_engine.target.model, "w8a8", "tiny") is None
