@@ -92,6 +92,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "drafter's value measured there, 0.35 for qwen-0.5b; 0 on cuda)",
     )
     parser.add_argument(
+        "--no-opening-echo",
+        dest="opening_echo",
+        action="store_false",
+        help="heads draft an answer's opening themselves, instead of from the words of the question",
+    )
+    parser.add_argument(
         "--compile",
         action="store_true",
         help="torch.compile the target's dense layer halves (off by default: not faster on this CPU, docs/results.md)",
@@ -122,6 +128,7 @@ def spec_from_args(args: argparse.Namespace) -> EngineSpec:
         load_aware=args.load_aware,
         draft_min_prob=args.draft_min_prob,
         auto_off=args.auto_off,
+        opening_echo=args.opening_echo,
         compile=args.compile,
     )
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from .cost_grid import cached_min_feed
-from .drafters import Drafter, DraftModelDrafter, NGramDrafter, restrict_vocab
+from .drafters import Drafter, DraftModelDrafter, NGramDrafter, OpeningEchoDrafter, restrict_vocab
 from .engine import SpeculativeEngine
 from .heads_drafter import HEADS_MIN_PROB, HeadsDrafter
 from .heads_file import default_heads_path, load_heads
@@ -74,6 +74,8 @@ class EngineSpec:
     # HEADS_MIN_PROB); elsewhere 0, as those were measured here, where each verified draft costs a share of a forward.
     draft_min_prob: float | None = None
     auto_off: bool = True  # the governor may switch speculation off where it measures it slower
+    # Heads draft an answer's opening tokens from the words of its prompt instead (drafters.OpeningEchoDrafter).
+    opening_echo: bool = True
     compile: bool = False  # torch.compile the target's dense layer halves (BatchRunner); measured, not faster here
 
     def __post_init__(self) -> None:
@@ -175,7 +177,10 @@ def heads_drafter_factory(spec: EngineSpec, target: LoadedModel, path: Path) -> 
         replace_linears(heads, w8a8_layer())
     min_prob = spec.draft_min_prob if spec.draft_min_prob is not None else HEADS_MIN_PROB
     log(f"draft heads: {heads.cfg.kind}, {len(heads.vocab_ids)}-token vocabulary, {spec.draft_quant}, from {path}")
-    return lambda: HeadsDrafter(heads, min_prob)
+    if not spec.opening_echo:
+        return lambda: HeadsDrafter(heads, min_prob)
+    decode = target.tokenizer.decode
+    return lambda: OpeningEchoDrafter(HeadsDrafter(heads, min_prob), decode, target.device)
 
 
 NOT_MODELS = ("none", "ngram", "heads")  # --draft values that load no draft model

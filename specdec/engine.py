@@ -172,6 +172,8 @@ class SpeculativeEngine:
         session = session or EngineSession(self)
         room = self.target.max_context - len(prompt_ids)
         drafter = session.drafter
+        if drafter is not None and config.speculate:
+            drafter.start(len(prompt_ids))
         return Answer(
             list(prompt_ids),
             min(config.max_new_tokens, room),

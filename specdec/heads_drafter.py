@@ -47,6 +47,9 @@ class HeadsDrafter:
     def prefill(self, ids: list[int]) -> None:
         pass  # features come with the target's forwards, through observe()
 
+    def start(self, prompt_len: int) -> None:
+        pass
+
     def rollback(self, length: int) -> None:
         del self.tokens[length:]
         self._crop_slots(max(0, length - 1))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specdec.build import build_engine
-from specdec.drafters import DraftModelDrafter, NGramDrafter, Proposal
+from specdec.drafters import DraftModelDrafter, NGramDrafter, OpeningEchoDrafter, Proposal, echo_lookup
 from specdec.engine import GenerationConfig, collect
 from specdec.metrics import SpecStats
 from specdec.runner import BatchRunner, fastest_min_feed
@@ -17,11 +17,20 @@ from tests.support.engine import ON_CPU, draft_factory, make_engine, target_only
 PROMPTS = ["hello there", "what is two plus two?", "tell me a story about a cat", "a b a b a b a b", "x"]
 
 
+def _echo(target, inner):
+    return OpeningEchoDrafter(inner, target.tokenizer.decode, target.device)
+
+
 @pytest.mark.parametrize("k", ["1", "2", "4", "7", "adaptive"])
-@pytest.mark.parametrize("drafter", ["model", "ngram"])
+@pytest.mark.parametrize("drafter", ["model", "ngram", "echo"])
 def test_greedy_output_identical_to_target_only(tiny_engine, k, drafter):
     target, draft = tiny_engine.models
-    factory = draft_factory(draft) if drafter == "model" else lambda: NGramDrafter(target.device)
+    factories = {
+        "model": draft_factory(draft),
+        "ngram": lambda: NGramDrafter(target.device),
+        "echo": lambda: _echo(target, NGramDrafter(target.device)),
+    }
+    factory = factories[drafter]
     engine = make_engine(target, factory, k)
     proposed = 0
     for text in PROMPTS:
@@ -31,6 +40,51 @@ def test_greedy_output_identical_to_target_only(tiny_engine, k, drafter):
         assert spec == target_only(target, ids, 40), text
         proposed += stats.proposed
     assert proposed > 0  # speculation really ran
+
+
+def test_echo_lookup_proposes_what_follows_the_answers_last_words_in_the_prompt():
+    words = ["<q>", " What", " is", " the", " boiling", " point", " of", " water", "?", "<a>"]
+    ids = list(range(len(words)))
+    prompt_len = len(words)
+
+    def key(token):
+        return words[token].strip().lower()
+
+    def echo(answer, k=4):
+        return [words[t] for t in echo_lookup(ids + [words.index(w) for w in answer], prompt_len, k, key)]
+
+    words += ["The"]  # the answer's "The" matches the question's " the": case and space do not count
+    assert echo(["The"]) == [" boiling", " point", " of", " water"]
+    assert echo(["The"], k=2) == [" boiling", " point"]
+    assert echo(["The", " point"]) == [" of", " water", "?", "<a>"]  # up to the prompt's end, never past it
+    assert echo([" water", "?", "<a>"]) == []  # matched at the prompt's very end: nothing follows
+    assert echo([" is", " the"]) == [" boiling", " point", " of", " water"]
+    assert echo(["<q>"])[:1] == [" What"]
+    words += ["  ", "Hello"]
+    assert echo(["  "]) == [] and echo(["Hello"]) == []  # a space-only token matches nothing; nor an unknown word
+
+
+def test_an_answers_opening_is_drafted_from_its_prompt_and_the_rest_by_the_inner_drafter(tiny_engine):
+    target = tiny_engine.target
+    ids = target.tokenizer.chat_ids([{"role": "user", "content": "tell me a story about a cat"}])
+    inner_calls: list[int] = []
+
+    class Inner(NGramDrafter):
+        def propose(self, context, k, params, generator):
+            inner_calls.append(len(context) - len(ids))
+            return super().propose(context, k, params, generator)
+
+    drafter = _echo(target, Inner(target.device))
+    stats = SpecStats()
+    tokens, _ = collect(make_engine(target, lambda: drafter, "2").stream(ids, GenerationConfig(30), stats=stats))
+    assert tokens == target_only(target, ids, 30)
+    assert inner_calls and min(inner_calls) >= OpeningEchoDrafter.OPENING_TOKENS  # the engine said where it began
+    assert stats.speculative_steps > len(inner_calls)  # the opening's steps were drafted, by the echo
+    # the echo's own proposal for an answer that starts with the prompt's words
+    drafter.start(len(ids))
+    words = target.tokenizer.encode("A STORY")  # bytes: one letter a token, matched in the prompt's "a story"
+    proposal = drafter.propose(ids + words[:5], 3, SamplingParams(), None)
+    assert proposal.tokens.tolist() == target.tokenizer.encode("ry ")
 
 
 def test_draft_acceptance_is_partial_so_rejections_are_exercised(tiny_engine):

@@ -405,6 +405,9 @@ class OpeningMisser:
     def prefill(self, ids):
         pass
 
+    def start(self, prompt_len):
+        pass
+
     def rollback(self, length):
         pass
 

@@ -120,10 +120,11 @@ def untrained_heads(target: LoadedModel, path: Path, kind: str = "medusa") -> Pa
 
 
 def heads_engine(tiny_engine, tiny_heads, k: int = 3):
-    """The tiny engine drafting with `tiny_heads` at a fixed K, ungated (tiny heads are never confident) and never
-    switched off, so every step drafts."""
+    """The tiny engine drafting with `tiny_heads` at a fixed K, ungated (tiny heads are never confident), never
+    switched off and drafting the opening too (no OpeningEchoDrafter), so every step drafts with the heads."""
     path, _ = tiny_heads
-    engine, _ = build_engine(tiny_engine.spec_with(draft="heads", heads=str(path), draft_min_prob=0.0, k=str(k)))
+    spec = tiny_engine.spec_with(draft="heads", heads=str(path), draft_min_prob=0.0, k=str(k), opening_echo=False)
+    engine, _ = build_engine(spec)
     engine.auto_off = False
     return engine
 
