@@ -154,5 +154,6 @@ class ModelLoader:
             "end_of_turn": c.turn_end.describe(),
             "preemptive": c.preemptive,
             "prefill_while_speaking": c.prefill_while_speaking,
+            "opening_echo": not c.llm_url and e.opening_echo and e.draft == "heads",
             "first_chunk_words": c.first_chunk_words,
         }

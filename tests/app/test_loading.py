@@ -205,3 +205,15 @@ def test_gradio_is_imported_without_rewriting_its_type_stubs():
     before = subprocess.run([sys.executable, "-c", "import sys; print(len(sys.meta_path))"], capture_output=True)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["app.page", "Blocks", before.stdout.decode().strip()]
+
+
+def test_the_page_says_whether_openings_are_drafted_from_the_question():
+    import dataclasses
+
+    def says(**engine) -> bool:
+        config = AgentConfig()
+        config = dataclasses.replace(config, engine=dataclasses.replace(config.engine, **engine))
+        return ModelLoader(config).describe()["opening_echo"]
+
+    assert says() and says(draft="heads")  # the default: the shipped heads, echoing the question at an opening
+    assert not says(opening_echo=False) and not says(draft="ngram") and not says(draft="qwen-0.5b")
