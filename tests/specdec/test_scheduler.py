@@ -329,7 +329,10 @@ def test_choose_ks_picks_the_best_rate_found_by_search():
 
 def test_load_aware_scheduler_stays_lossless_and_reports_its_ks(tiny_engine):
     target, draft = tiny_engine.models
-    costs = by_rows([1, 4, 8], [0.01, 0.01, 0.05])
+    # Forwards of 1 s (the costs are only read, never slept), so the drafting time the scheduler measures (a few ms
+    # for the tiny draft; far more on a loaded machine, where with 0.01 s a CI run chose K = 0 alone) cannot decide
+    # the choice; the costs' shape does.
+    costs = by_rows([1, 4, 8], [1.0, 1.0, 5.0])
     scheduler = BatchScheduler(batched_engine(target, draft_factory(draft), "4"), costs)
     prompts = tiny_prompts(target, 4, seed=16)
     lengths = [10, 15, 20, 45]
