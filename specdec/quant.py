@@ -322,7 +322,7 @@ def _w8a8_rows(
     """w8a8 from the cached int8 weights (packed early by prepack_cache if it guessed this file), or quantized
     (smoothed first) with the int8 weights written to cache. The cache keeps each Linear's rows under its own name,
     whatever is fused."""
-    from safetensors.torch import save_file
+    from safetensors.torch import load_file, save_file
 
     found = {name: (parent, child, linear) for name, parent, child, linear in _linears(model)}
     jobs = _fused_jobs(found)
@@ -333,7 +333,7 @@ def _w8a8_rows(
         if early is not None and set(early) == set(jobs):
             _install(found, early.items())
             return
-        _install(found, _build_all(layer, jobs, _cache_reader(cache)))
+        _install(found, _build_all(layer, jobs, _cache_reader(load_file(cache))))
         return
     if calibration_ids is not None:
         smooth_mlp_inputs(model, calibration_ids)
@@ -358,10 +358,8 @@ def _w8a8_rows(
     os.replace(partial, cache)
 
 
-def _cache_reader(cache: Path) -> Callable[[str], Rows]:
-    from safetensors.torch import load_file
-
-    saved = load_file(cache)
+def _cache_reader(saved: dict[str, torch.Tensor]) -> Callable[[str], Rows]:
+    """A Linear's rows by its name, from the tensors of a cache file."""
     return lambda name: (saved[f"{name}.q"], saved[f"{name}.scale"], saved.get(f"{name}.bias"))
 
 
@@ -470,11 +468,11 @@ def prepack_cache(name: str, quant: str) -> Path | None:
 
     def pack() -> None:
         try:
-            from safetensors import safe_open
+            from safetensors.torch import load_file
 
-            with safe_open(cache, "pt") as f:
-                names = [key.removesuffix(".q") for key in f.keys() if key.endswith(".q")]
-            future.set_result(dict(_build_all(layer, _fused_jobs(names), _cache_reader(cache))))
+            saved = load_file(cache)
+            names = [key.removesuffix(".q") for key in saved if key.endswith(".q")]
+            future.set_result(dict(_build_all(layer, _fused_jobs(names), _cache_reader(saved))))
         except Exception as e:  # a bad file: the load reads (and reports) it as before
             future.set_exception(e)
 
