@@ -136,7 +136,8 @@ def panels_html() -> str:
     return f"""
 <div class="sv-metrics">
   <div class="sv-metric"><div class="sv-label">TTFA (server)</div>
-    <div class="sv-value"><span id="ttfa-ms">–</span> <small>ms</small></div>{_definition("ttfa_ms")}</div>
+    <div class="sv-value"><span id="ttfa-ms">–</span> <small>ms</small></div>{_definition("ttfa_ms")}
+    <div class="sv-sub">stalls <span id="stall-ms">–</span> ms</div>{_definition("stall_ms")}</div>
   <div class="sv-metric"><div class="sv-label">TTFA (heard)</div>
     <div class="sv-value"><span id="ttfa-heard-ms">–</span> <small>ms</small></div>
     <div class="sv-sub">heard delay <span id="heard-delay-ms">–</span> ms</div>{_definition("heard_delay_ms")}</div>

@@ -45,6 +45,7 @@ CSV_COLUMNS = (
     "ttfa_heard_ms",
     "heard_delay_ms",
     *STAGES,
+    "stall_ms",
     "first_chunk_tokens",
     "tokens",
     "tokens_per_s",

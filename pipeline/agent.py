@@ -26,6 +26,9 @@ from .vad import FRAME, EndOfTurnDetector, VadEvent
 
 log = logging.getLogger("specvoice.agent")
 
+# A later chunk waits for its sentence's end unless the answer's speech out so far ends within this: a token or two
+# on this CPU, and the TTS's first samples of the chunk.
+RUN_DRY_MARGIN_S = 0.3
 # on_event(kind, payload): "transcript" str, "token" dict, "audio" np.ndarray, "chunk" str, "done" TurnResult
 EventSink = Callable[[str, object], None]
 
@@ -69,6 +72,7 @@ class TurnResult:
             "answer": self.answer,
             "spoken": self.spoken,
             "ttfa_ms": tl["ttfa_ms"],
+            "stall_ms": tl["stall_ms"],
             "stages": tl["stages"],
             "timeline": tl,
             "first_chunk_tokens": self.timeline.first_chunk_tokens,
@@ -308,7 +312,8 @@ class VoiceAgent:
                             "k_chosen": delta.k_chosen,
                         },
                     )
-                    for chunk in chunker.push(delta.text):
+                    running_dry = chunks.empty() and timeline.runs_dry(time.perf_counter() + RUN_DRY_MARGIN_S)
+                    for chunk in chunker.push(delta.text, running_dry):
                         chunks.put((chunk, time.perf_counter(), stats.tokens))
                 for chunk in chunker.flush():
                     chunks.put((chunk, time.perf_counter(), stats.tokens))
@@ -337,8 +342,7 @@ class VoiceAgent:
                     timeline.first_audio_ready = timeline.first_audio_ready or time.perf_counter()
                     if hold is not None and not hold.wait():  # an early answer plays once its turn is confirmed
                         break
-                    timeline.mark("first_audio_out", time.perf_counter())
-                    timeline.last_audio_out = time.perf_counter()
+                    timeline.audio_out(time.perf_counter(), len(samples) / self.tts.sample_rate)
                     audio.append(samples)
                     emit("audio", samples)
                 else:

@@ -1,5 +1,6 @@
 """Cut streaming LLM text into pieces a TTS can speak: the first piece early (it sets time-to-first-audio), the rest
-at sentence ends (whole sentences sound better and the first piece is playing meanwhile)."""
+at sentence ends (whole sentences sound better and the earlier pieces are playing meanwhile), unless the speech is
+running dry: then the words ready so far go at once, since a cut phrase sounds better than a silence."""
 
 from __future__ import annotations
 
@@ -48,8 +49,9 @@ class SpeechChunker:
         self._buf = ""
         self._first = True
 
-    def _cut(self) -> int | None:
+    def _cut(self, running_dry: bool) -> int | None:
         """End index (exclusive) of the next chunk in the buffer, or None if none is complete yet."""
+        clause_end = word_end = None
         for count, m in enumerate(_WORD.finditer(self._buf), start=1):
             word, end = m.group(1), m.end(1)
             if self._first:
@@ -58,14 +60,20 @@ class SpeechChunker:
                     return end
             elif _ends_sentence(word) or "\n" in m.group(0):  # a line break ends a list item or a heading
                 return end
-        return None
+            elif _ends_clause(word):
+                clause_end = end
+            word_end = end
+        return (clause_end or word_end) if running_dry and not self._first else None
 
-    def push(self, text_delta: str) -> list[str]:
+    def push(self, text_delta: str, running_dry: bool = False) -> list[str]:
+        """Chunks complete after this delta. running_dry: the speech out so far is about to end, so a later chunk
+        ends at the last clause boundary ready, else at the last whole word, instead of waiting for the sentence."""
         self._buf += text_delta.translate(_MARKDOWN)
         chunks: list[str] = []
-        while (end := self._cut()) is not None:
+        while (end := self._cut(running_dry)) is not None:
             chunks.append(" ".join(self._buf[:end].split()))
             self._buf, self._first = self._buf[end:], False
+            running_dry = False  # one such cut buys the speech time: the rest waits for its sentence again
         return chunks
 
     def flush(self) -> list[str]:

@@ -38,11 +38,27 @@ class Timeline:
     first_audio_ready: float | None = None  # the TTS had the first samples (held until confirmed if early)
     early_discarded: int = 0  # early answers of this turn thrown away (the user went on, or other final words)
     silence_rule_ms: float | None = None  # what a fixed silence would have waited, when words ended the turn
+    played_until: float | None = None  # when the answer audio out so far ends, played from its first sample on
+    stall_s: float = 0.0  # metrics.DEFINITIONS["stall_ms"], in seconds
 
     def mark(self, name: str, t: float) -> None:
         if name not in MARKS:
             raise KeyError(f"unknown timeline mark {name!r}")
         self.marks.setdefault(name, t)  # the first time counts
+
+    def audio_out(self, t: float, seconds: float) -> None:
+        """Answer samples lasting `seconds` left the TTS at t: a listener still playing earlier ones hears them
+        next, one who has run out waited t − played_until in silence (a stall)."""
+        self.mark("first_audio_out", t)
+        self.last_audio_out = t
+        if self.played_until is not None and t > self.played_until:
+            self.stall_s += t - self.played_until
+        self.played_until = max(t, self.played_until or t) + seconds
+
+    def runs_dry(self, by: float) -> bool:
+        """The answer's audio out so far ends by time `by`: without more text soon the listener hears a stall.
+        False before the first sample (nothing plays yet)."""
+        return self.played_until is not None and self.played_until <= by
 
     def has(self, name: str) -> bool:
         return name in self.marks
@@ -92,6 +108,7 @@ class Timeline:
             "stages": self.stages_ms(),
             "marks_ms": rel,  # each mark relative to speech_end
             "last_audio_out_ms": (self.last_audio_out - t0) * 1000 if (t0 and self.last_audio_out) else None,
+            "stall_ms": self.stall_s * 1000,
             "first_chunk_tokens": self.first_chunk_tokens,
             "early_start_ms": (self.early_start - t0) * 1000 if (t0 and self.early_start) else None,
             "early_discarded": self.early_discarded,

@@ -65,6 +65,9 @@ DEFINITIONS: dict[str, str] = {
     "tokens/s than speculation off (null if none)",
     "ttfa_ms": "time to first audio: end of the last voiced user audio → first answer sample out of the TTS "
     "(server side); includes the end-of-turn silence wait, and its stages add up to it",
+    "stall_ms": "silence inside an answer (server side): with its audio played at real speed from the first sample "
+    "out of the TTS, the total time the listener waits between the end of the samples out so far and the next ones; "
+    "0 when the speech never runs dry",
     "ttfa_heard_ms": "the same start → the first answer sample heard in the browser (AudioWorklet output time, "
     "mapped to the server clock)",
     "heard_delay_ms": "first answer sample heard in the browser (AudioWorklet output time mapped through "

@@ -130,6 +130,7 @@ function renderMetrics() {
   if (!t) return;
   const d = t.data;
   setText('ttfa-ms', d ? fmt(d.ttfa_ms) : '…');
+  setText('stall-ms', d ? fmt(d.stall_ms) : '…');
   setText('ttfa-heard-ms', t.heard ? fmt(t.heard.ttfa_heard_ms) : (t.kind === 'ab' ? 'n/a' : '…'));
   setText('heard-delay-ms', t.heard ? fmt(t.heard.heard_delay_ms) : '–');
   setText('tokens-per-s', fmt(d ? d.tokens_per_s : t.tokensPerS, 1));

@@ -128,6 +128,7 @@ def test_spoken_turn_is_answered_heard_and_measured(page):
     # final transcript came after its end was decided.
     assert abs(sum(data["stages"].values()) - data["ttfa_ms"]) < 1 and data["stages"]["asr"] > 0
     assert number(page, "#ttfa-ms") > 0 and number(page, "#tokens-per-s") > 0
+    assert number(page, "#stall-ms") >= 0
     assert number(page, "#ttfa-heard-ms") >= number(page, "#ttfa-ms")
     # The acceptance shown is the turn's own: accepted ÷ proposed over the token messages it streamed.
     assert turn["proposed"] > 0 and data["draft_acceptance_rate"] == turn["accepted"] / turn["proposed"]

@@ -87,6 +87,18 @@ def test_flush_returns_remainder_and_resets():
     assert chunker.push(" seven. ") == ["Six seven."]
 
 
+def test_running_dry_cuts_a_later_chunk_before_its_sentence_ends():
+    chunker = SpeechChunker(first_chunk_words=2, min_first_chars=1)
+    assert chunker.push("To make a cup ", running_dry=True) == ["To make"]  # the first chunk keeps its own rule
+    assert chunker.push("of coffee, heat water") == []  # speech still playing: the sentence waits
+    # Running dry: the last clause boundary ready, once; the words after it wait for the sentence again.
+    assert chunker.push(" to boiling", running_dry=True) == ["a cup of coffee,"]
+    assert chunker.push(" and", running_dry=True) == ["heat water to boiling"]  # no clause: the last whole word
+    assert chunker.push("stir", running_dry=True) == []  # "andstir" is not a whole word yet
+    assert chunker.push(". Then") == ["andstir."]
+    assert chunker.flush() == ["Then"]
+
+
 def test_only_markdown_or_whitespace_gives_nothing():
     chunker = SpeechChunker()
     assert chunker.push("** ` ## \n ") == []

@@ -17,7 +17,7 @@ from pipeline.llm_provider import SharedProvider
 from pipeline.timeline import MARKS, STAGES, Timeline
 from pipeline.turn_end import TurnEnd
 from tests.support.engine import ROOT
-from tests.support.fakes import FakeTTS, ScriptedLLM
+from tests.support.fakes import FakeTTS, ScriptedLLM, WordsTTS
 from tests.support.speech import needs_espeak, speak
 
 
@@ -71,6 +71,29 @@ def test_typed_turn_streams_in_order_and_fills_timeline():
     assert events.index("token") < events.index("chunk") < events.index("audio") < events.index("done")
     assert agent.tts.spoken[0] == "Sure, the capital"  # the first chunk is cut early: 3 words by default
     assert conv.history[-1] == {"role": "assistant", "content": d["answer"]}
+
+
+def test_timeline_counts_the_silences_inside_an_answer():
+    tl = Timeline()
+    tl.audio_out(10.0, 0.5)
+    assert not tl.runs_dry(10.4) and tl.runs_dry(10.5)
+    tl.audio_out(10.2, 0.3)  # the listener is still hearing the first samples: no stall
+    tl.audio_out(11.0, 0.25)  # the speech ended at 10.8: 0.2 s of silence
+    assert tl.marks["first_audio_out"] == 10.0 and tl.last_audio_out == 11.0
+    assert math.isclose(tl.stall_s, 0.2) and tl.runs_dry(11.25) and not tl.runs_dry(11.2)
+    assert math.isclose(tl.to_dict()["stall_ms"], 200.0)
+    assert not Timeline().runs_dry(1e9)  # nothing out yet: nothing can run dry
+
+
+def test_a_long_first_sentence_does_not_leave_a_silence_after_the_first_chunk():
+    # The LLM speaks 5× faster than the voice, but the first sentence is long: waiting for its end after the
+    # three-word first chunk would leave about a second of silence.
+    answer = "Sure thing, " + " ".join(["word"] * 50) + ". Done."
+    agent, llm = scripted_agent(NoASR(), answer, step_s=0.02, tts=WordsTTS(0.1))
+    result = agent.respond(agent.new_conversation(), "Talk.", Timeline(), False)
+    assert result.to_dict()["stall_ms"] < 50
+    assert result.spoken == answer  # every word spoken once, in order
+    assert not agent.tts.spoken[1].endswith(".")  # the second chunk did not wait for the sentence
 
 
 def test_history_is_bounded_and_sent_to_the_llm():

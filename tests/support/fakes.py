@@ -49,6 +49,18 @@ class FakeTTS:
         pass
 
 
+class WordsTTS(FakeTTS):
+    """A TTS whose audio lasts seconds_per_word for each word of the chunk, given at once: a speaking pace."""
+
+    def __init__(self, seconds_per_word: float) -> None:
+        super().__init__()
+        self.seconds_per_word = seconds_per_word
+
+    def stream(self, text):
+        self.spoken.append(text)
+        yield np.zeros(int(self.sample_rate * self.seconds_per_word * len(text.split())), np.float32)
+
+
 class Slots:
     """A Capacity like the app's AnswerSlots (pipeline/capacity.py), counting what is in use."""
 
