@@ -19,8 +19,17 @@ from .vad import EndOfTurnDetector, VadEvent
 
 # start_early(words, timeline, hold): answer words now, holding everything until the hold is confirmed
 StartEarly = Callable[[str, Timeline, Hold], None]
-# prefill(words): the words heard so far, minus the last one (the ASR still revises it), may be prefilled
+# prefill(words): the words heard so far (words_to_prefill) may be prefilled
 Prefill = Callable[[str], None]
+# What Whisper closes a partial transcript with, though the speaker may go on: "What is the boiling point?"
+_CLOSING = ".?!,;:…-— "
+
+
+def words_to_prefill(partial: str) -> str:
+    """The words of a partial transcript worth prefilling: all of them, without its closing punctuation. The last
+    word may still change (a word cut by the snapshot); the answer's prefill then recomputes from where the tokens
+    differ, and the words before it stay cached."""
+    return partial.strip().rstrip(_CLOSING)
 # notify(message): {"type": "early", "event": "started" | "kept" | "discarded", "text": ...}
 Notify = Callable[[dict], None]
 
@@ -95,8 +104,7 @@ class TurnListener:
     def _prefill_words(self) -> None:
         if self.prefill is None:
             return
-        partial = self.asr.partial
-        words = partial.rsplit(" ", 1)[0] if " " in partial else ""
+        words = words_to_prefill(self.asr.partial)
         if words and words != self._prefilled:
             self._prefilled = words
             self.prefill(words)

@@ -221,6 +221,33 @@ def test_prefill_while_speaking_caches_the_words_and_changes_no_token(tiny_engin
     assert answers[0] == answers[1]
 
 
+def test_a_partial_is_prefilled_to_its_last_word_without_its_closing_punctuation():
+    from pipeline.listener import words_to_prefill
+
+    assert words_to_prefill("What is the boiling point?") == "What is the boiling point"
+    assert words_to_prefill(" So the … ") == "So the"
+    assert words_to_prefill("and, ") == "and"
+    assert words_to_prefill("?") == words_to_prefill("") == ""
+
+
+@needs_espeak
+def test_the_words_heard_while_speaking_are_prefilled_up_to_the_last_one():
+    from pipeline.listener import TurnListener
+    from pipeline.vad import FRAME
+
+    audio, ends = spoken("What is the capital of France?")
+    asr = ScriptedASR([(ends[0] / 2, "What is the capital?")])  # Whisper closes a partial with "?"
+    prefilled: list[str] = []
+    listener = TurnListener(asr, TurnEnd(), asr_interval_s=0.02, prefill=prefilled.append)
+    try:
+        for i in range(0, int(ends[0] * SAMPLE_RATE) - 2 * FRAME, FRAME):  # while the words are still being said
+            listener.feed(audio[i : i + FRAME], i / SAMPLE_RATE)
+            time.sleep(0.005)  # let the ASR thread publish its partials
+    finally:
+        listener.close()
+    assert prefilled and prefilled[-1] == "What is the capital"
+
+
 @needs_espeak
 def test_an_early_answer_given_up_by_its_answerer_leaves_the_turn_to_be_answered_normally():
     """The app gives an early answer up when no answer slot is free: the turn then asks again once it ends."""
