@@ -30,6 +30,8 @@ def words_to_prefill(partial: str) -> str:
     word may still change (a word cut by the snapshot); the answer's prefill then recomputes from where the tokens
     differ, and the words before it stay cached."""
     return partial.strip().rstrip(_CLOSING)
+
+
 # notify(message): {"type": "early", "event": "started" | "kept" | "discarded", "text": ...}
 Notify = Callable[[dict], None]
 
