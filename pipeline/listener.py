@@ -21,6 +21,8 @@ from .vad import EndOfTurnDetector, VadEvent
 StartEarly = Callable[[str, Timeline, Hold], None]
 # prefill(words): the words heard so far (words_to_prefill) may be prefilled
 Prefill = Callable[[str], None]
+# notify(message): {"type": "early", "event": "started" | "kept" | "discarded", "text": ...}
+Notify = Callable[[dict], None]
 # What Whisper closes a partial transcript with, though the speaker may go on: "What is the boiling point?"
 _CLOSING = ".?!,;:…-— "
 
@@ -30,10 +32,6 @@ def words_to_prefill(partial: str) -> str:
     word may still change (a word cut by the snapshot); the answer's prefill then recomputes from where the tokens
     differ, and the words before it stay cached."""
     return partial.strip().rstrip(_CLOSING)
-
-
-# notify(message): {"type": "early", "event": "started" | "kept" | "discarded", "text": ...}
-Notify = Callable[[dict], None]
 
 
 @dataclass
