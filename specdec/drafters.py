@@ -269,8 +269,9 @@ def echo_lookup(
     context: list[int], prompt_len: int, k: int, key: Callable[[int], str], max_ngram: int = 3
 ) -> list[int]:
     """The prompt's tokens that follow the latest place in it whose words match the answer's last n tokens, for the
-    longest n ≤ max_ngram that matches; [] if none does. key: a token's text without case and spaces; a token that
-    is only space (an empty key) matches nothing."""
+    longest n ≤ max_ngram that matches; [] if none does. At most n + 1 of them: a match of one word ("the", "to")
+    is weak evidence, and each draft verified costs a row of the target's forward. key: a token's text without case
+    and spaces; a token that is only space (an empty key) matches nothing."""
     answer = [key(t) for t in context[prompt_len:]]
     prompt = [key(t) for t in context[:prompt_len]]
     for n in range(min(max_ngram, len(answer)), 0, -1):
@@ -279,5 +280,5 @@ def echo_lookup(
             continue
         for begin in range(prompt_len - n - 1, -1, -1):  # a match with at least one prompt token after it
             if prompt[begin : begin + n] == suffix:
-                return context[begin + n : min(begin + n + k, prompt_len)]
+                return context[begin + n : min(begin + n + min(k, n + 1), prompt_len)]
     return []

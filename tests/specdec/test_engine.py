@@ -54,11 +54,12 @@ def test_echo_lookup_proposes_what_follows_the_answers_last_words_in_the_prompt(
         return [words[t] for t in echo_lookup(ids + [words.index(w) for w in answer], prompt_len, k, key)]
 
     words += ["The"]  # the answer's "The" matches the question's " the": case and space do not count
-    assert echo(["The"]) == [" boiling", " point", " of", " water"]
-    assert echo(["The"], k=2) == [" boiling", " point"]
-    assert echo(["The", " point"]) == [" of", " water", "?", "<a>"]  # up to the prompt's end, never past it
+    assert echo(["The"]) == [" boiling", " point"]  # at most n + 1 tokens after an n-token match
+    assert echo(["The"], k=1) == [" boiling"]
+    assert echo(["The", " point"]) == [" of", " water"]  # the longest match is " point": two tokens
+    assert echo(["The", " point", " of"], k=9) == [" water", "?", "<a>"]  # up to the prompt's end, never past it
     assert echo([" water", "?", "<a>"]) == []  # matched at the prompt's very end: nothing follows
-    assert echo([" is", " the"]) == [" boiling", " point", " of", " water"]
+    assert echo([" is", " the"]) == [" boiling", " point", " of"]
     assert echo(["<q>"])[:1] == [" What"]
     words += ["  ", "Hello"]
     assert echo(["  "]) == [] and echo(["Hello"]) == []  # a space-only token matches nothing; nor an unknown word
