@@ -300,3 +300,82 @@ def test_the_early_answer_starts_when_the_pause_is_transcribed_not_at_the_next_f
         assert started == ["What is the capital of France?"]
     finally:
         listener.close()
+
+
+class GatedASR(ScriptedASR):
+    """A pass that hears `gate_from` samples or more waits for the test's gate: the pass of all of the speech is
+    still running while the listener polls."""
+
+    def __init__(self, parts: list[tuple[float, str]], gate_from: int, exact: str | None = None) -> None:
+        super().__init__(parts)
+        self.gate_from, self.exact, self.gate = gate_from, exact, threading.Event()
+
+    def transcribe(self, audio):
+        if len(audio) < self.gate_from:
+            return super().transcribe(audio)
+        assert self.gate.wait(5)
+        return self.exact or super().transcribe(audio)
+
+
+def last_voiced_sample(audio: np.ndarray) -> int:
+    from pipeline.vad import FRAME, EndOfTurnDetector
+
+    vad = EndOfTurnDetector()
+    for i in range(0, len(audio), FRAME):
+        vad.feed(audio[i : i + FRAME], i / SAMPLE_RATE)
+        if vad.paused:
+            return vad.last_voiced[1]
+    raise AssertionError("no pause in the audio")
+
+
+@needs_espeak
+@pytest.mark.parametrize(
+    "missed_s, exact, starts",
+    [
+        (0.05, None, ["What is the capital of France?"]),  # the same words: started once, at the pause
+        (0.05, "Capital of Frankfurt?", ["What is the capital of France?", "Capital of Frankfurt?"]),
+        (0.3, None, []),  # too much unheard: it waits for the pass of all of the speech
+    ],
+)
+def test_a_pass_that_heard_all_but_the_last_tenth_of_a_second_starts_the_early_answer(missed_s, exact, starts):
+    from pipeline.listener import TurnListener
+    from pipeline.vad import FRAME
+
+    audio, ends = spoken("What is the capital of France?", 1.0)
+    last = last_voiced_sample(audio)
+    heard = last - int(missed_s * SAMPLE_RATE)
+    asr = GatedASR([(ends[0] - 0.3, "What is the capital of France?")], gate_from=heard + 1, exact=exact)
+    holds: list[Hold] = []
+    listener = TurnListener(asr, TurnEnd(), asr_interval_s=60, start_early=lambda words, tl, hold: holds.append(hold))
+    try:
+        listener.feed(audio[:heard], 0.0)  # a pass made now hears all but the last missed_s of the speech
+        listener.asr.speech_paused(heard)
+        assert wait_for(lambda: listener.asr.covering(heard) is not None)
+        for i in range(heard, len(audio), FRAME):  # to the first frame of the pause
+            listener.feed(audio[i : i + FRAME], i / SAMPLE_RATE)
+            if listener.vad.paused:
+                break
+        assert listener.vad.paused and listener.vad.last_voiced[1] == last
+        time.sleep(0.05)
+        listener.poll()
+        started_before_the_pass = [hold.words for hold in holds]
+        assert listener.vad.hangover_s == TurnEnd().hangover_ms(None) / 1000  # only words heard to the end set it
+        asr.gate.set()  # the pass of all of the speech ends
+        assert wait_for(lambda: listener.asr.covering(last) is not None)
+        listener.poll()
+        final = exact or "What is the capital of France?"
+        assert listener.vad.hangover_s == TurnEnd().hangover_ms(final) / 1000
+    finally:
+        listener.close()
+    assert started_before_the_pass == starts[:1]
+    assert [hold.words for hold in holds] == (starts if starts else [final])
+    assert [hold.state for hold in holds[:-1]] == ["discarded"] * (len(holds) - 1)  # the one on other words
+
+
+def wait_for(condition, timeout_s: float = 5.0) -> bool:
+    deadline = time.perf_counter() + timeout_s
+    while not condition():
+        if time.perf_counter() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
