@@ -130,6 +130,10 @@ class EngineLLM:
     def prompt_ids(self, messages: list[dict[str, str]], stats: ReplyStats | None = None) -> list[int]:
         """The chat prompt within prompt_room tokens, the oldest exchanges dropped first. PromptError when the
         system prompt and the last message alone are over it."""
+        return self._prompt(messages, stats)[0]
+
+    def _prompt(self, messages: list[dict[str, str]], stats: ReplyStats | None) -> tuple[list[int], int]:
+        """prompt_ids, and where its last message's words begin."""
         fitted, ids = self._fit(messages)
         if len(ids) > self.prompt_room:
             raise PromptError(
@@ -139,7 +143,12 @@ class EngineLLM:
         dropped = (len(messages) - len(fitted)) // 2
         if dropped and stats is not None:
             stats.notes.append(f"the oldest {dropped} exchanges dropped to fit the prompt's {self.prompt_room} tokens")
-        return ids
+        return ids, self._words_start(fitted[:-1])
+
+    def _words_start(self, head: list[dict[str, str]]) -> int:
+        """Where the words of a user message after the messages `head` begin in the chat prompt."""
+        before = [self.tokenizer.chat_ids([*head, {"role": "user", "content": words}]) for words in ("a", "zz")]
+        return common_prefix_length(*before)
 
     def _fit(self, messages: list[dict[str, str]]) -> tuple[list[dict[str, str]], list[int]]:
         """The messages with the oldest user/assistant exchanges dropped until they fit prompt_room (or none is
@@ -161,9 +170,8 @@ class EngineLLM:
         head, words = fitted[:-1], fitted[-1]["content"]
         tails = (" a", " zz")  # the next word starts with a space: the words' own tokens are the shared ones
         with_words = [self.tokenizer.chat_ids([*head, {"role": "user", "content": words + tail}]) for tail in tails]
-        before = [self.tokenizer.chat_ids([*head, {"role": "user", "content": tail}]) for tail in ("a", "zz")]
         ids = with_words[0][: common_prefix_length(*with_words)]
-        start = common_prefix_length(*before)
+        start = self._words_start(head)
         if start < len(ids) <= self.prompt_room:
             self.session.prefill(ids)
             self._spoken_prefix = (ids, start)
@@ -175,13 +183,15 @@ class EngineLLM:
         stats: ReplyStats,
         cancel: threading.Event | None = None,
     ) -> Iterator[LLMDelta]:
-        prompt = self.prompt_ids(messages, stats)
+        prompt, question_start = self._prompt(messages, stats)
         if self._spoken_prefix is not None:
             ids, start = self._spoken_prefix
             stats.prefilled_while_speaking_tokens = max(0, common_prefix_length(prompt, ids) - start)
             self._spoken_prefix = None
         policy = k_policy_factory(self.k) if self.k else None
-        config = GenerationConfig(self.max_new_tokens, self.sampling, self.seed, speculation, policy, self.load_aware)
+        config = GenerationConfig(
+            self.max_new_tokens, self.sampling, self.seed, speculation, policy, self.load_aware, question_start
+        )
         decoder = IncrementalDecoder(self.tokenizer)
         eos = self.tokenizer.eos_token_ids
         source = self.scheduler or self.engine

@@ -6,6 +6,7 @@ that the engine reads back once per step, with the target's verdict.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -64,8 +65,9 @@ class Drafter(Protocol):
     def prefill(self, ids: list[int]) -> None:
         """Warm any state on a prefix that every answer shares (the system prompt)."""
 
-    def start(self, prompt_len: int) -> None:
-        """A new answer starts: the first prompt_len tokens of the contexts it is given are its prompt."""
+    def start(self, prompt_len: int, question_start: int = 0) -> None:
+        """A new answer starts: the first prompt_len tokens of the contexts it is given are its prompt, whose last
+        message (the question) begins at question_start."""
 
     def rollback(self, length: int) -> None:
         """Forget state past the first `length` tokens of the conversation."""
@@ -164,7 +166,7 @@ class DraftModelDrafter:
     def prefill(self, ids: list[int]) -> None:
         self.cache.extend(ids)
 
-    def start(self, prompt_len: int) -> None:
+    def start(self, prompt_len: int, question_start: int = 0) -> None:
         pass
 
     def rollback(self, length: int) -> None:
@@ -195,7 +197,7 @@ class NGramDrafter:
     def prefill(self, ids: list[int]) -> None:
         pass  # it reads the context it is given; nothing to keep
 
-    def start(self, prompt_len: int) -> None:
+    def start(self, prompt_len: int, question_start: int = 0) -> None:
         pass
 
     def rollback(self, length: int) -> None:
@@ -236,6 +238,7 @@ class OpeningEchoDrafter:
         self._decode = decode
         self._keys: dict[int, str] = {}
         self._prompt_len: int | None = None  # None: no answer started, so no opening to echo
+        self._question_start = 0
 
     def _key(self, token: int) -> str:
         key = self._keys.get(token)
@@ -249,14 +252,14 @@ class OpeningEchoDrafter:
         start = self._prompt_len
         if start is None or not start <= len(context) < start + self.OPENING_TOKENS:
             return self.inner.propose(context, k, params, generator)
-        return Proposal.of(echo_lookup(context, start, k, self._key), self.device)
+        return Proposal.of(echo_lookup(context, start, k, self._key, self._question_start), self.device)
 
     def prefill(self, ids: list[int]) -> None:
         self.inner.prefill(ids)
 
-    def start(self, prompt_len: int) -> None:
-        self._prompt_len = prompt_len
-        self.inner.start(prompt_len)
+    def start(self, prompt_len: int, question_start: int = 0) -> None:
+        self._prompt_len, self._question_start = prompt_len, question_start
+        self.inner.start(prompt_len, question_start)
 
     def rollback(self, length: int) -> None:
         self.inner.rollback(length)
@@ -266,19 +269,36 @@ class OpeningEchoDrafter:
 
 
 def echo_lookup(
-    context: list[int], prompt_len: int, k: int, key: Callable[[int], str], max_ngram: int = 3
+    context: list[int],
+    prompt_len: int,
+    k: int,
+    key: Callable[[int], str],
+    question_start: int = 0,
+    max_ngram: int = 3,
 ) -> list[int]:
-    """The prompt's tokens that follow the latest place in it whose words match the answer's last n tokens, for the
-    longest n ≤ max_ngram that matches; [] if none does. At most n + 1 of them: a match of one word ("the", "to")
-    is weak evidence, and each draft verified costs a row of the target's forward. key: a token's text without case
-    and spaces; a token that is only space (an empty key) matches nothing."""
+    """The words of the question (the prompt from question_start) that follow the latest place in it whose words
+    match the answer's last n tokens, for the longest n ≤ max_ngram that matches; [] if none does.
+    - At most n + 1 tokens: a match of one word ("the", "to") is weak evidence, and each draft verified costs a row
+      of the target's forward.
+    - Only the question: the system prompt's words ("to three short spoken sentences") are not what an answer
+      restates.
+    - Only words: they stop before the first token without a letter or digit (the question's "?", the chat
+      template's markers), which an answer rarely repeats; a match followed by none is passed over.
+    key: a token's text without case and spaces; a token that is only space (an empty key) matches nothing."""
     answer = [key(t) for t in context[prompt_len:]]
     prompt = [key(t) for t in context[:prompt_len]]
     for n in range(min(max_ngram, len(answer)), 0, -1):
         suffix = answer[-n:]
         if not all(suffix):
             continue
-        for begin in range(prompt_len - n - 1, -1, -1):  # a match with at least one prompt token after it
+        for begin in range(prompt_len - n - 1, question_start - 1, -1):  # with at least one prompt token after it
             if prompt[begin : begin + n] == suffix:
-                return context[begin + n : min(begin + n + min(k, n + 1), prompt_len)]
+                follow = range(begin + n, min(begin + n + min(k, n + 1), prompt_len))
+                words = [context[i] for i in itertools.takewhile(lambda i: _has_word(prompt[i]), follow)]
+                if words:
+                    return words
     return []
+
+
+def _has_word(key: str) -> bool:
+    return any(c.isalnum() for c in key)

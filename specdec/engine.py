@@ -33,6 +33,7 @@ class GenerationConfig:
     speculate: bool = True
     k_policy: Callable[[], KPolicy] | None = None  # overrides the engine's default K policy for this answer
     load_aware: bool = True  # in a load-aware BatchScheduler: K capped by load (else the K policy's K, load or not)
+    question_start: int = 0  # where the prompt's last message (the question) begins: an answer's opening echoes it
 
 
 DRAFTER_KINDS = ("draft-model", "heads", "ngram")  # what a conversation may switch to (the engine's own or n-gram)
@@ -173,7 +174,7 @@ class SpeculativeEngine:
         room = self.target.max_context - len(prompt_ids)
         drafter = session.drafter
         if drafter is not None and config.speculate:
-            drafter.start(len(prompt_ids))
+            drafter.start(len(prompt_ids), config.question_start)
         return Answer(
             list(prompt_ids),
             min(config.max_new_tokens, room),

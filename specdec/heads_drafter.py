@@ -47,7 +47,7 @@ class HeadsDrafter:
     def prefill(self, ids: list[int]) -> None:
         pass  # features come with the target's forwards, through observe()
 
-    def start(self, prompt_len: int) -> None:
+    def start(self, prompt_len: int, question_start: int = 0) -> None:
         pass
 
     def rollback(self, length: int) -> None:

@@ -214,13 +214,14 @@ def test_long_history_is_trimmed_to_fit_the_context(tiny_engine, budget, room):
     config = AgentConfig(engine=tiny_engine.spec, max_new_tokens=16, history_turns=50, prompt_tokens=budget)
     agent = VoiceAgent(config, transcriber=NoASR(), tts=FakeTTS())
     conv = agent.new_conversation()
-    fit, prompts = conv.llm.prompt_ids, []
+    fit, prompts = conv.llm._prompt, []
 
     def recording(messages, stats=None):
-        prompts.append(fit(messages, stats))
-        return prompts[-1]
+        ids, question_start = fit(messages, stats)
+        prompts.append(ids)
+        return ids, question_start
 
-    conv.llm.prompt_ids = recording
+    conv.llm._prompt = recording
     for i in range(12):  # 12 exchanges of ~60 bytes overflow both
         result = agent.respond(conv, f"question number {i}: " + "x" * 40, Timeline(), True)
         assert result.stats.tokens > 0

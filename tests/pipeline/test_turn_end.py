@@ -221,6 +221,23 @@ def test_prefill_while_speaking_caches_the_words_and_changes_no_token(tiny_engin
     assert answers[0] == answers[1]
 
 
+def test_the_drafter_is_told_where_the_question_begins_in_the_prompt(tiny_engine):
+    engine, target = build_engine(tiny_engine.spec)
+    llm = EngineLLM(engine, 4, session=EngineSession(engine))
+    llm.session.use_drafter("ngram")
+    starts: list[tuple[int, int]] = []
+    llm.session.drafter.start = lambda prompt_len, question_start=0: starts.append((prompt_len, question_start))
+    history = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello!"}]
+    question = {"role": "user", "content": "How do I tie a tie?"}
+    messages = [{"role": "system", "content": "You answer."}, *history, question]
+    list(llm.stream_reply(messages, True, ReplyStats()))
+    prompt = llm.prompt_ids(messages)
+    [(prompt_len, question_start)] = starts
+    assert prompt_len == len(prompt)
+    assert target.tokenizer.decode(prompt[question_start:]).startswith("How do I tie a tie?")
+    assert "Hello!" not in target.tokenizer.decode(prompt[question_start:])
+
+
 def test_a_partial_is_prefilled_to_its_last_word_without_its_closing_punctuation():
     from pipeline.listener import words_to_prefill
 

@@ -57,12 +57,27 @@ def test_echo_lookup_proposes_what_follows_the_answers_last_words_in_the_prompt(
     assert echo(["The"]) == [" boiling", " point"]  # at most n + 1 tokens after an n-token match
     assert echo(["The"], k=1) == [" boiling"]
     assert echo(["The", " point"]) == [" of", " water"]  # the longest match is " point": two tokens
-    assert echo(["The", " point", " of"], k=9) == [" water", "?", "<a>"]  # up to the prompt's end, never past it
+    assert echo(["The", " point", " of"], k=9) == [" water"]  # words only: not the "?" nor the markers after it
     assert echo([" water", "?", "<a>"]) == []  # matched at the prompt's very end: nothing follows
     assert echo([" is", " the"]) == [" boiling", " point", " of"]
     assert echo(["<q>"])[:1] == [" What"]
     words += ["  ", "Hello"]
     assert echo(["  "]) == [] and echo(["Hello"]) == []  # a space-only token matches nothing; nor an unknown word
+
+
+def test_echo_lookup_reads_the_question_not_the_system_prompt_before_it():
+    words = ["<s>", " Answer", " in", " one", " to", " three", " sentences", "<q>", " How", " do", " I", " tie", " a"]
+    words += [" tie", "?", "<a>", "To"]
+    ids, prompt_len, question_start = list(range(len(words))), words.index("<a>") + 1, words.index("<q>") + 1
+
+    def echo(answer, start):
+        context = ids[:prompt_len] + [words.index(w) for w in answer]
+        return [words[t] for t in echo_lookup(context, prompt_len, 4, lambda t: words[t].strip().lower(), start)]
+
+    assert echo(["To"], 0) == [" three", " sentences"]  # the system prompt's " to": a wrong guess
+    assert echo(["To"], question_start) == []  # the question has no " to": nothing proposed
+    # the latest " tie" is followed by no word: passed over for the one before it
+    assert echo(["To", " tie"], question_start) == [" a", " tie"]
 
 
 def test_an_answers_opening_is_drafted_from_its_prompt_and_the_rest_by_the_inner_drafter(tiny_engine):
@@ -85,7 +100,7 @@ def test_an_answers_opening_is_drafted_from_its_prompt_and_the_rest_by_the_inner
     drafter.start(len(ids))
     words = target.tokenizer.encode("A STORY")  # bytes: one letter a token, matched in the prompt's "a story"
     proposal = drafter.propose(ids + words[:5], 3, SamplingParams(), None)
-    assert proposal.tokens.tolist() == target.tokenizer.encode("ry ")
+    assert proposal.tokens.tolist() == target.tokenizer.encode("ry")  # words only: not the space after them
 
 
 def test_draft_acceptance_is_partial_so_rejections_are_exercised(tiny_engine):

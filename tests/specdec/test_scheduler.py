@@ -408,7 +408,7 @@ class OpeningMisser:
     def prefill(self, ids):
         pass
 
-    def start(self, prompt_len):
+    def start(self, prompt_len, question_start=0):
         pass
 
     def rollback(self, length):
