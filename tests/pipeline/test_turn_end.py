@@ -7,6 +7,7 @@ import time
 import numpy as np
 import pytest
 
+from commands.bench_server import wait_until
 from pipeline.agent import AgentConfig, VoiceAgent
 from pipeline.audio import SAMPLE_RATE
 from pipeline.llm import EngineLLM, ReplyStats
@@ -367,7 +368,7 @@ def test_a_pass_that_heard_all_but_the_last_tenth_of_a_second_starts_the_early_a
     try:
         listener.feed(audio[:heard], 0.0)  # a pass made now hears all but the last missed_s of the speech
         listener.asr.speech_paused(heard)
-        assert wait_for(lambda: listener.asr.covering(heard) is not None)
+        assert wait_until(lambda: listener.asr.covering(heard) is not None, 5)
         for i in range(heard, len(audio), FRAME):  # to the first frame of the pause
             listener.feed(audio[i : i + FRAME], i / SAMPLE_RATE)
             if listener.vad.paused:
@@ -378,7 +379,7 @@ def test_a_pass_that_heard_all_but_the_last_tenth_of_a_second_starts_the_early_a
         started_before_the_pass = [hold.words for hold in holds]
         assert listener.vad.hangover_s == TurnEnd().hangover_ms(None) / 1000  # only words heard to the end set it
         asr.gate.set()  # the pass of all of the speech ends
-        assert wait_for(lambda: listener.asr.covering(last) is not None)
+        assert wait_until(lambda: listener.asr.covering(last) is not None, 5)
         listener.poll()
         final = exact or "What is the capital of France?"
         assert listener.vad.hangover_s == TurnEnd().hangover_ms(final) / 1000
@@ -387,12 +388,3 @@ def test_a_pass_that_heard_all_but_the_last_tenth_of_a_second_starts_the_early_a
     assert started_before_the_pass == starts[:1]
     assert [hold.words for hold in holds] == (starts if starts else [final])
     assert [hold.state for hold in holds[:-1]] == ["discarded"] * (len(holds) - 1)  # the one on other words
-
-
-def wait_for(condition, timeout_s: float = 5.0) -> bool:
-    deadline = time.perf_counter() + timeout_s
-    while not condition():
-        if time.perf_counter() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
