@@ -44,7 +44,8 @@ class ModelLoader:
         """Start packing the target's cached int8 layers now (specdec.quant.prepack_cache): C++ work that holds no
         GIL, so it runs beside the page's build on the other core. The load takes the layers when it gets there."""
         if not self.config.llm_url:
-            prepack_cache(self.config.engine.target, self.config.engine.target_quant)
+            engine = self.config.engine
+            prepack_cache(engine.target, engine.target_quant, engine.dtype)
 
     def start(self) -> None:
         self.t0 = self._step_t0 = time.perf_counter()

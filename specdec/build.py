@@ -210,7 +210,7 @@ def build_engines(
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {spec.dtype!r}")
     heads = {name: path for name in drafts if (path := heads_path(name, spec)) is not None}
     models = [d for d in drafts if d not in NOT_MODELS and d not in heads]
-    prepack_cache(spec.target, spec.target_quant)  # packs while transformers is imported and the model loads
+    prepack_cache(spec.target, spec.target_quant, spec.dtype)  # packs while transformers imports and the model loads
     check_memory(estimate_pair_bytes([spec.target, *models], dtype), torch.device(spec.device))
     target = load_model(spec.target, dtype, spec.device)
     factories: dict[str, Callable[[], Drafter] | None] = {"none": None, "ngram": lambda: NGramDrafter(target.device)}

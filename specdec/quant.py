@@ -448,16 +448,17 @@ def _install(
 # Packing a cached w8a8 target is seconds of C++ work that holds no GIL (fbgemm: ~7 core-s for the 1.5B). Started
 # early on a guess of the cache file, it runs beside the start's Python (imports, the page, the model's load).
 _prepacked: dict[Path, Future[dict[Job, RowInt8Linear]]] = {}
+CACHED_FROM_PARAMS = 100_000_000  # smaller models quantize in moments and keep no cache file
 
 
-def prepack_cache(name: str, quant: str) -> Path | None:
-    """Start packing, on background threads, the int8 cache file that the model `name` in `quant` most likely
-    reads: the one used last for that name and format. Only a guess, made before the model is loaded; _w8a8_rows
-    takes its layers only if the model's own key (quantized_cache_path) names this very file, and packs afresh
-    otherwise. Returns the file, or None when there is none to guess (or it is already being packed)."""
+def prepack_cache(name: str, quant: str, dtype: str) -> Path | None:
+    """Start packing, on background threads, the int8 cache file that the model `name` in `quant` and `dtype`
+    most likely reads: the one used last for that name, format and dtype. Only a guess, made before the model is
+    loaded; _w8a8_rows takes its layers only if the model's own key (quantized_cache_path) names this very file, and
+    packs afresh otherwise. Returns the file, or None when there is none to guess (or it is already being packed)."""
     if quant not in W8A8_LAYERS:
         return None
-    found = list((cache_dir() / "quantized").glob(f"{_safe(name)}-{quant}-*.safetensors"))
+    found = list((cache_dir() / "quantized").glob(f"{_safe(name)}-{quant}-{dtype}-*.safetensors"))
     if not found:
         return None
     cache = max(found, key=lambda path: path.stat().st_mtime)
@@ -494,9 +495,11 @@ def _take_prepacked(cache: Path) -> dict[Job, RowInt8Linear] | None:
 
 def quantized_cache_path(model: PreTrainedModel, quant: str, name: str) -> Path | None:
     """Where the int8 weights of this model in this w8a8 format are kept, keyed by the weights' own fingerprint, the
-    layer, the smoothing and torch's version; None for a model quick to quantize (the tests' tiny ones)."""
+    layer, the smoothing and torch's version; None for a model quick to quantize (the tests' tiny ones). The name
+    says the dtype too: the same model loads in bfloat16 for the app and float32 for the tests, and prepack_cache
+    must not guess the other one's file."""
     params = list(model.state_dict().items())
-    if sum(t.numel() for _, t in params) < 100_000_000:
+    if sum(t.numel() for _, t in params) < CACHED_FROM_PARAMS:
         return None
     digest = hashlib.sha256()
     layer = w8a8_layer().__name__ if quant == "w8a8" else quant
@@ -506,7 +509,8 @@ def quantized_cache_path(model: PreTrainedModel, quant: str, name: str) -> Path 
         flat = tensor.detach().reshape(-1)
         sample = flat[:: max(1, flat.numel() // 4096)].float().cpu().numpy().tobytes()
         digest.update(f"{key}{tuple(tensor.shape)}{tensor.dtype}".encode() + sample)
-    return cache_dir() / "quantized" / f"{_safe(name)}-{quant}-{digest.hexdigest()[:16]}.safetensors"
+    dtype = str(model.dtype).removeprefix("torch.")
+    return cache_dir() / "quantized" / f"{_safe(name)}-{quant}-{dtype}-{digest.hexdigest()[:16]}.safetensors"
 
 
 def _safe(name: str) -> str:

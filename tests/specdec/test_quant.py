@@ -208,8 +208,8 @@ def test_a_cache_file_packed_early_is_taken_only_by_the_model_it_belongs_to(tiny
     from specdec import quant
 
     monkeypatch.setenv("SPECVOICE_CACHE", str(tmp_path))
-    cache = tmp_path / "quantized" / "tiny-w8a8-0123456789abcdef.safetensors"
-    other = cache.with_name("tiny-w8a8-fedcba9876543210.safetensors")
+    cache = tmp_path / "quantized" / "tiny-w8a8-float32-0123456789abcdef.safetensors"
+    other = cache.with_name("tiny-w8a8-float32-fedcba9876543210.safetensors")
     ids, calibration = torch.tensor([[5, 9, 2, 7, 1, 3, 8]]), torch.arange(3, 40)[None]
 
     def quantized(path, smoothed=True):
@@ -222,8 +222,8 @@ def test_a_cache_file_packed_early_is_taken_only_by_the_model_it_belongs_to(tiny
     _, want_other = quantized(other, smoothed=False)  # another file for the same name, smoothed otherwise
     assert not torch.equal(want, want_other)
     os.utime(other, (0, 0))
-    assert quant.prepack_cache("tiny", "w8a8") == cache  # the newest file of that name and format
-    assert quant.prepack_cache("tiny", "w8a8") is None  # already packing
+    assert quant.prepack_cache("tiny", "w8a8", "float32") == cache  # the newest file of that name and format
+    assert quant.prepack_cache("tiny", "w8a8", "float32") is None  # already packing
     packed = list(quant._prepacked[cache].result().values())  # held: ids stay theirs
     early = {id(layer) for layer in packed}
     model, got = quantized(cache)
@@ -231,13 +231,37 @@ def test_a_cache_file_packed_early_is_taken_only_by_the_model_it_belongs_to(tiny
     assert used == early and torch.equal(got, want)
     assert not quant._prepacked
     os.utime(other, (0, 0))
-    assert quant.prepack_cache("tiny", "w8a8") == cache  # a wrong guess: the model reads `other`
+    assert quant.prepack_cache("tiny", "w8a8", "float32") == cache  # a wrong guess: the model reads `other`
     packed = list(quant._prepacked[cache].result().values())  # held: ids stay theirs
     early = {id(layer) for layer in packed}
     model, got = quantized(other)
     used = {id(m) for m in model.modules() if isinstance(m, quant.RowInt8Linear)}
     assert not used & early and torch.equal(got, want_other)
     assert not quant._prepacked  # the wrong guess's layers dropped
+
+
+@cpu_only
+def test_a_cache_file_names_the_dtype_so_another_dtypes_file_is_never_the_guess(tiny_engine, tmp_path, monkeypatch):
+    """The app loads the target in bfloat16, the real-model tests in float32: each start guesses its own file, not the
+    one another dtype used last."""
+    import copy
+    import os
+    import shutil
+
+    from specdec import quant
+
+    monkeypatch.setenv("SPECVOICE_CACHE", str(tmp_path))
+    monkeypatch.setattr(quant, "CACHED_FROM_PARAMS", 0)
+    model = copy.deepcopy(tiny_engine.target.model)
+    path = quantized_cache_path(model, "w8a8", "tiny")
+    bf16_path = quantized_cache_path(copy.deepcopy(model).to(torch.bfloat16), "w8a8", "tiny")
+    assert path is not None and bf16_path is not None
+    assert "-float32-" in path.name and "-bfloat16-" in bf16_path.name
+    quantize_linears(model, "w8a8", torch.arange(3, 40)[None], path)
+    shutil.copy(path, bf16_path)
+    os.utime(path, (0, 0))  # the bfloat16 file was used last
+    assert quant.prepack_cache("tiny", "w8a8", "float32") == path
+    assert quant._take_prepacked(path) is not None
 
 
 def test_only_a_large_model_gets_a_quantized_cache_file(tiny_engine):
