@@ -27,6 +27,7 @@ from .turn_stream import TurnStream
 log = logging.getLogger("specvoice.app.session")
 
 FIRST_PACKET_S = 0.1
+SLOT_RETRY_S = 0.01  # how often a held early answer asks again for an answer slot
 REPLAY = "replay"  # the outbox tag of a replayed answer's packets
 AB_RUN_KEYS = "turn transcript ttfa_ms stages tokens_per_s draft_acceptance_rate answer audio_seconds cancelled".split()
 HEARD_KEYS = ("ttfa_heard_ms", "heard_delay_ms", "heard_method", "heard_detail", "clock_rtt_ms")  # copied to records
@@ -328,14 +329,12 @@ class TurnRunner:
         return data
 
     def _guarded(self, body: Callable[[], object], hold: Hold | None = None) -> None:
-        """Run an answer under the server-wide limit, turning failures into one message. An early answer (hold) that
-        finds no room is given up quietly: its turn asks again, as any turn, once it has ended."""
+        """Run an answer under the server-wide limit, turning failures into one message. An early answer (hold) waits
+        for room until its turn ends: discarded, it goes quietly; confirmed with no room, its turn is told so."""
         slots = self.host.slots
-        if not slots.try_acquire():
-            if hold is not None:
-                hold.discard()
-                return
-            self.outbox.put({"type": "busy", "message": slots.busy_message()})
+        if not self._take_slot(hold):
+            if hold is None or hold.state == "confirmed":  # a turn with no room, told so and not queued
+                self.outbox.put({"type": "busy", "message": slots.busy_message()})
             return
         try:
             body()
@@ -345,6 +344,17 @@ class TurnRunner:
                 self.outbox.put({"type": "error", "message": f"answer failed: {type(e).__name__}: {e}"})
         finally:
             slots.release()
+
+    def _take_slot(self, hold: Hold | None) -> bool:
+        """An answer slot, now or never; an early answer waits for one while its turn is undecided, as the pass at
+        the pause may hold the last one: it runs beside the answer started on the pass before it."""
+        while hold is None or hold.state != "discarded":
+            if self.host.slots.try_acquire():
+                return True
+            if hold is None or hold.state != "held":
+                return False
+            time.sleep(SLOT_RETRY_S)
+        return False
 
     def _turn_job(
         self, text: str, timeline: Timeline, kind: str, cancel: threading.Event, hold: Hold | None = None

@@ -11,17 +11,21 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection, connect
 
+from app.host import AnswerSlots
 from app.outbox import Outbox
-from app.protocol import FLAG_REPLAY, unpack_audio
+from app.protocol import FLAG_REPLAY, ClockSync, unpack_audio
+from app.turns import TurnRunner
 from commands.bench_server import wait_until
 from pipeline.paired import paired_runs
+from pipeline.preemptive import Hold
 from tests.support.browser import recv_until, running_app, wait_ready
 
 # ---------------------------------------------------------------------------------------------- pure pieces
@@ -56,6 +60,37 @@ def test_paired_runs_alternate_and_stop_on_cancel():
         cancel.clear()
         assert [p.item for p in paired_runs(stopped_in(1, speculation), range(5), cancel)] == [0]  # cut: left out
         assert calls == [(0, False), (0, True), *ran]  # and nothing runs after the Stop
+
+
+def test_an_early_answer_waits_for_the_slot_its_own_turns_asr_pass_holds():
+    """With one answer slot, the pass at the pause holds it while the answer started on the pass before it asks: the
+    early answer waits for the slot while its turn is undecided, goes quietly when discarded, and its turn is told
+    "busy" when it is confirmed with no room."""
+    slots = AnswerSlots(1)
+    sent: list[dict] = []
+    runner = TurnRunner(SimpleNamespace(slots=slots), SimpleNamespace(put=sent.append), ClockSync())
+
+    def early_answer(end: Callable[[Hold], None] | None) -> list[str]:
+        ran: list[str] = []
+        hold = Hold("what is the capital of France")
+        assert slots.try_acquire()  # the ASR pass at the pause
+        job = threading.Thread(target=runner._guarded, args=(lambda: ran.append("answered"), hold))
+        job.start()
+        time.sleep(0.1)
+        assert not ran and hold.state == "held"  # waiting, not given up
+        if end is not None:
+            end(hold)
+            job.join(timeout=5)  # decided while the pass still runs
+        slots.release()  # the pass is done
+        job.join(timeout=5)
+        assert not job.is_alive()
+        return ran
+
+    assert early_answer(None) == ["answered"] and not sent
+    assert slots.try_acquire()  # the answer gave its slot back
+    slots.release()
+    assert early_answer(Hold.discard) == [] and not sent
+    assert early_answer(Hold.confirm) == [] and [m["type"] for m in sent] == ["busy"]
 
 
 def test_outbox_counts_bytes_and_gives_up_on_a_reader_over_its_cap():
