@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from . import compute
 from .cost_grid import cached_min_feed
 from .drafters import Drafter, DraftModelDrafter, NGramDrafter, OpeningEchoDrafter, restrict_vocab
 from .engine import SpeculativeEngine
@@ -250,4 +251,5 @@ def build_engines(
         name: SpeculativeEngine(target, runner, factories[name], k_policy, spec.disable_by_batch_size, spec.auto_off)
         for name in drafts
     }
+    compute.release_workers()  # this thread's loading is done: its OpenMP workers must not slow the forwards
     return engines, target, {name: added[name] for name in drafts}

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import compute
 from .drafters import Drafter, NGramDrafter, Proposal
 from .events import StepEvent
 from .kpolicy import KPolicy, SpeculationGovernor
@@ -84,10 +85,15 @@ class EngineSession:
 
 
 def catch_up(drafter: Drafter, ids: list[int], target: SequenceCache) -> None:
-    """The drafter learns ids, just fed to the target's cache outside a step (a draft model prefills, heads read)."""
-    drafter.prefill(ids)
-    if target.keep_hidden:
-        drafter.observe(StepEvent(step=0, tokens=[], from_draft=[]), target)
+    """The drafter learns ids, just fed to the target's cache outside a step (a draft model prefills, heads read);
+    on the compute thread."""
+
+    def learn() -> None:
+        drafter.prefill(ids)
+        if target.keep_hidden:
+            drafter.observe(StepEvent(step=0, tokens=[], from_draft=[]), target)
+
+    compute.run(learn)
 
 
 @dataclass
@@ -224,7 +230,11 @@ class SpeculativeEngine:
         """One step of every answer, all verified in one target forward. k_caps: a load-aware scheduler's K per
         answer (None: the answer's own K policy and governor decide). chunks: (answer, end), a prompt read in chunks:
         the forward feeds its context up to end, and it emits nothing. A cancelled answer gets its last event
-        without a forward; a failing forward raises (every answer in it fails; their caches were reset)."""
+        without a forward; a failing forward raises (every answer in it fails; their caches were reset). Runs on the
+        compute thread (specdec/compute.py)."""
+        return compute.run(lambda: self._step(answers, k_caps, chunks))
+
+    def _step(self, answers: list[Answer], k_caps: list[int | None] | None, chunks: Chunks) -> list[StepEvent]:
         caps = k_caps or [None] * len(answers)
         events: list[StepEvent | None] = [None] * len(answers)
         live = []

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from . import compute
 from .attention import causal_attention, rotate, row_attention
 from .kv import PENDING, Feed, SequenceCache
 from .quant import fused_layer, keep_int8_matmul_eager
@@ -66,9 +67,12 @@ class BatchRunner:
     def new_cache(self) -> SequenceCache:
         return SequenceCache(self)
 
-    @torch.inference_mode()
     def extend(self, feeds: list[Feed]) -> list[torch.Tensor]:
-        """One forward over every feed's new tokens; per feed, logits (n_logits, V)."""
+        """One forward over every feed's new tokens; per feed, logits (n_logits, V). Run on the compute thread."""
+        return compute.run(lambda: self._extend(feeds))
+
+    @torch.inference_mode()
+    def _extend(self, feeds: list[Feed]) -> list[torch.Tensor]:
         starts: list[int] = []
         pieces: list[tuple[int, int]] = []
         ids: list[int] = []

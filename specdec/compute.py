@@ -1,0 +1,78 @@
+"""The one thread that runs the engine's tensor work: every forward and every speculative step.
+
+On a CPU, torch's OpenMP runtime gives each thread that runs a parallel region a pool of workers of its own. Once
+the pooled threads outnumber the cores, libgomp stops spinning between regions, and every region then waits for a
+sleeping worker: on 2 cores the 1.5B target's forward took ~175 ms on one thread while another thread kept its pool,
+against ~105 ms on the only one (docs/results.md). So the steps and forwards of every conversation run here, one
+after another, and a thread that loaded models lets its workers go (release_workers). On a GPU one thread issuing
+the kernels costs nothing either.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+_jobs: queue.SimpleQueue[tuple[Callable[[], object], int, Future]] = queue.SimpleQueue()
+_thread: threading.Thread | None = None
+_start_lock = threading.Lock()
+
+
+def run(fn: Callable[[], T]) -> T:
+    """fn() on the compute thread (at once when called there), its result or its exception here. It runs on as
+    many torch threads as the caller's torch.get_num_threads()."""
+    if threading.current_thread() is _thread:
+        return fn()
+    _start()
+    done: Future[T] = Future()
+    _jobs.put((fn, torch.get_num_threads(), done))
+    return done.result()
+
+
+def _start() -> None:
+    global _thread
+    with _start_lock:
+        if _thread is None:
+            _thread = threading.Thread(target=_serve, name="compute", daemon=True)
+            _thread.start()
+
+
+def _serve() -> None:
+    while True:
+        fn, threads, done = _jobs.get()
+        if torch.get_num_threads() != threads:  # torch.set_num_threads holds for the thread that calls it
+            torch.set_num_threads(threads)
+        try:
+            done.set_result(fn())
+        except BaseException as e:  # the caller re-raises it; this thread serves the next job
+            done.set_exception(e)
+
+
+def release_workers() -> None:
+    """Let the calling thread's OpenMP workers go (omp_pause_resource_all), so that they no longer count against the
+    compute thread's; a later parallel region on this thread starts them again. Call it where a thread is done
+    loading models. A no-op where torch's OpenMP runtime is not found."""
+    pause = _omp_pause()
+    if pause is not None:
+        pause(1)  # omp_pause_soft
+
+
+def _omp_pause() -> Callable[[int], int] | None:
+    libs = sorted((Path(torch.__file__).parent / "lib").glob("lib*omp*.so*"))
+    for lib in libs:  # the runtime torch loaded: libgomp on Linux x86 wheels, libomp elsewhere
+        try:
+            handle = ctypes.CDLL(os.fspath(lib), mode=os.RTLD_NOLOAD if hasattr(os, "RTLD_NOLOAD") else 0)
+            return handle.omp_pause_resource_all
+        except (OSError, AttributeError):
+            continue
+    return None
