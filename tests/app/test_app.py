@@ -125,9 +125,12 @@ def test_voice_turns_barge_in_and_push_to_talk(app):
         voice, seen = recv_until(ws, lambda m: m["type"] == "done")
         feeder.join()
         assert voice["data"]["kind"] == "voice" and "capital" in voice["data"]["transcript"].lower()
-        # preemptive generation: the answer started at the pause on the same words, held until the turn ended
+        # preemptive generation: the answer started at the pause on the same words, held until the turn ended. One
+        # started on a pass that missed the last 0.1 s is discarded and started again if the full pass heard otherwise
         early = [m["event"] for m in seen if isinstance(m, dict) and m["type"] == "early"]
-        assert early == ["started", "kept"] and voice["data"]["saved_ms"]["preemptive"] > 0
+        restarts = (len(early) - 2) // 2
+        assert early == ["started", "discarded"] * restarts + ["started", "kept"], early
+        assert voice["data"]["saved_ms"]["preemptive"] > 0
         (announced,) = [m for m in seen if isinstance(m, dict) and m["type"] == "turn"]
         kinds = [(m["type"], m.get("event")) for m in seen if isinstance(m, dict)]
         assert announced["early"] and kinds.index(("early", "kept")) < kinds.index(("turn", None))  # held till then
