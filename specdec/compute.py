@@ -30,7 +30,8 @@ _start_lock = threading.Lock()
 
 def run(fn: Callable[[], T]) -> T:
     """fn() on the compute thread (at once when called there), its result or its exception here. It runs on as
-    many torch threads as the caller's torch.get_num_threads()."""
+    many torch threads as the caller's torch.get_num_threads(). fn must not wait on a thread that calls run: it
+    would wait for itself."""
     if threading.current_thread() is _thread:
         return fn()
     _start()
