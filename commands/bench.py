@@ -1,6 +1,6 @@
-"""`specvoice bench`: target-only, this engine and transformers' assisted generation (and, with --llamacpp,
-llama.cpp on the target's GGUF), interleaved per prompt in one process, on the same models, dtype and threads.
-Progress on stderr, JSON out."""
+"""`specvoice bench`: target-only, this engine and transformers' assisted generation, interleaved per prompt in one
+process, on the same models, dtype and threads; with --llamacpp, llama.cpp on the target's GGUF first, alone in a
+process of its own (specdec/llamacpp.py), its answers joined per prompt. Progress on stderr, JSON out."""
 
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ from pathlib import Path
 import torch
 
 from pipeline.options import add_engine_arguments, spec_from_args
+from specdec import compute
 from specdec.bench import explain_divergence, first_divergence, hf_generate, read_prompts, run_engine, summarize
 from specdec.build import DTYPES, NOT_MODELS, build_engines
 from specdec.engine import GenerationConfig
-from specdec.llamacpp import LlamaCppModel
+from specdec.llamacpp import ISOLATION, LlamaCppRun, generate_alone, preset_gguf
 from specdec.metrics import DEFINITIONS, SpecStats
 from specdec.models import load_model
 
@@ -37,7 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--llamacpp",
         action="store_true",
         help="also run llama.cpp (llama-cpp-python, scripts/setup.sh --llama) on the target preset's GGUF, same "
-        "prompt tokens and threads, and report its tok/s beside ours (CPU only)",
+        "prompt tokens and threads, alone in its own process before our runs, and report its tok/s beside ours "
+        "(CPU only)",
     )
     parser.add_argument(
         "--drafters",
@@ -90,11 +92,11 @@ def main(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     rows = read_prompts(args.prompts, args.limit)
     spec = spec_from_args(args)
-    llama = None
+    gguf = None
     if args.llamacpp:  # before our models load: a missing package or a non-preset target fails in seconds
         if spec.device != "cpu":
             raise ValueError(f"--llamacpp compares CPU runs (llama.cpp is built for CPUs); got --device {spec.device}")
-        llama = LlamaCppModel.from_preset(spec.target, n_threads=torch.get_num_threads())
+        gguf = preset_gguf(spec.target)
     drafters = list(dict.fromkeys([spec.draft, *filter(None, args.drafters.split(","))]))
     engines, target, added_bytes = build_engines(spec, drafters)
     engine = engines[spec.draft]
@@ -107,18 +109,25 @@ def main(args: argparse.Namespace) -> int:
     spec_cfg = GenerationConfig(n, speculate=True)
 
     warm = target.tokenizer.chat_ids([{"role": "user", "content": "Say hi."}])
+    prompts = [target.tokenizer.chat_ids([{"role": "user", "content": row["prompt"]}]) for row in rows]
+    llama_runs: list[LlamaCppRun] = []
+    if gguf is not None:
+        # Alone, before any of our timed work: measured beside our forwards, each took the cores from the other.
+        # Our process waits meanwhile, the OpenMP workers of this thread (it loaded models) and of the compute thread
+        # let go.
+        compute.release_workers()
+        compute.run(compute.release_workers)
+        print(f"llama.cpp: {len(prompts)} prompts in its own process, alone …", file=sys.stderr, flush=True)
+        llama_runs = generate_alone(gguf, torch.get_num_threads(), prompts, n, eos, warmup=warm)
     run_engine(engine, warm, GenerationConfig(4, speculate=False))
     for e in engines.values():
         run_engine(e, warm, GenerationConfig(8))
     if assistant is not None:
         hf_generate(target.model, warm, 4, eos, assistant)
-    if llama is not None:
-        llama.generate(warm, 8, eos)
 
     totals = {name: SpecStats() for name in drafters}
     results = []
-    for i, row in enumerate(rows):
-        prompt = target.tokenizer.chat_ids([{"role": "user", "content": row["prompt"]}])
+    for i, (row, prompt) in enumerate(zip(rows, prompts)):
         base, base_s = _timed(run_engine, engine, prompt, base_cfg)
         runs = {}
         for name, e in engines.items():  # each drafter right after the same baseline, interleaved per prompt
@@ -147,8 +156,8 @@ def main(args: argparse.Namespace) -> int:
             if assistant is not None:
                 hf_tokens, hf_s = _timed(hf_generate, target.model, prompt, n, eos, assistant)
                 entry["hf_assisted"] = {**_entry(hf_tokens, hf_s), "identical_to_baseline": hf_tokens == base}
-        if llama is not None:
-            run = llama.generate(prompt, n, eos)
+        if llama_runs:
+            run = llama_runs[i]
             entry["llamacpp"] = {
                 **_entry(run.tokens, run.seconds),
                 "decode_tokens_per_s": run.decode_tokens_per_s,
@@ -173,6 +182,8 @@ def main(args: argparse.Namespace) -> int:
 
     summary = summarize(results, totals[spec.draft])
     summary["drafter_resident_bytes_added"] = added_bytes[spec.draft]
+    if llama_runs:
+        summary["llamacpp_isolation"] = ISOLATION
     if len(drafters) > 1:
         summary["drafters"] = {
             name: drafter_summary(results, name, totals[name], added_bytes[name]) for name in drafters

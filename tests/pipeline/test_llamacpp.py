@@ -1,10 +1,12 @@
 """The llama.cpp comparator (`bench --llamacpp`) without llama-cpp-python: a missing package says how to install it,
 split presets are joined once into the cache and reused, generation is greedy, cold and stops where it should (on a
-stand-in Llama), and bench reports it. One `models` test runs the real thing where the package is installed."""
+stand-in Llama), runs in a process of its own, and bench joins its answers per prompt and reports them. One `models`
+test runs the real thing where the package is installed."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import types
 from pathlib import Path
@@ -13,9 +15,10 @@ import pytest
 
 from specdec import models
 from specdec.bench import summarize
-from specdec.llamacpp import LlamaCppModel, LlamaCppRun, import_llama_cpp
+from specdec.llamacpp import ISOLATION, LlamaCppModel, LlamaCppRun, generate_alone, import_llama_cpp, preset_gguf
 from specdec.metrics import DEFINITIONS, SpecStats
 from tests.support.cli import specvoice
+from tests.support.engine import cpu_only
 
 
 @pytest.fixture
@@ -54,13 +57,13 @@ def test_missing_package_says_how_to_install(no_llama_cpp):
 def test_missing_package_fails_before_joining_the_gguf(no_llama_cpp, monkeypatch):
     monkeypatch.setattr("specdec.llamacpp.gguf_path", lambda preset: pytest.fail("joined a GGUF for nothing"))
     with pytest.raises(ValueError, match="setup.sh --llama"):
-        LlamaCppModel.from_preset("qwen-1.5b", n_threads=2)
+        preset_gguf("qwen-1.5b")
 
 
 @pytest.mark.parametrize("name", ["tiny-random-target", "Qwen/Qwen2.5-Coder-1.5B-Instruct", "/some/local/dir"])
 def test_only_presets_with_a_gguf_file(name):
     with pytest.raises(ValueError, match=rf"{name!r} has none \(use qwen-1.5b, qwen-0.5b, smollm2-135m\)"):
-        LlamaCppModel.from_preset(name, n_threads=2)
+        preset_gguf(name)
 
 
 def test_gguf_path_joins_the_parts_once_into_the_cache(tmp_path, monkeypatch, cache):
@@ -185,6 +188,57 @@ def test_generate_refuses_what_does_not_fit(fake_llama):
         fake_llama.generate([], max_new_tokens=5, eos=set())
 
 
+# llama_cpp as generate_alone's process imports it (from PYTHONPATH, ahead of an installed one): each answer is that
+# process's pid, then the prompt echoed, so a test sees which process answered which prompt. A model file named
+# crash.gguf aborts the process.
+CHILD_LLAMA_CPP = """
+import os
+
+
+class Llama:
+    def __init__(self, model_path, **kwargs):
+        if model_path.endswith("crash.gguf"):
+            os.abort()
+        self.n_tokens = 0
+
+    def reset(self):
+        self.n_tokens = 0
+
+    def generate(self, tokens, **kwargs):
+        assert self.n_tokens == 0, "generate() ran on a warm KV cache"
+        self.n_tokens = len(tokens)
+        for tok in [os.getpid(), *tokens]:
+            yield tok
+            self.n_tokens += 1
+"""
+
+
+@pytest.fixture
+def child_llama_cpp(tmp_path, monkeypatch) -> None:
+    root = tmp_path / "child_site"
+    root.mkdir()
+    (root / "llama_cpp.py").write_text(CHILD_LLAMA_CPP)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+
+
+def test_generate_alone_answers_every_prompt_in_one_process_of_its_own(child_llama_cpp):
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [8]]
+    runs = generate_alone("model.gguf", 2, prompts, max_new_tokens=4, eos={2}, warmup=[9, 9])
+    pids = {run.tokens[0] for run in runs}
+    assert len(pids) == 1 and os.getpid() not in pids  # one other process answered them all
+    assert [run.tokens[1:] for run in runs] == [[1, 2], [4, 5, 6], [8]]  # in order; EOS and budget kept
+    assert all(run.seconds >= run.decode_seconds >= 0 for run in runs)
+    again = generate_alone("model.gguf", 2, prompts[:1], max_new_tokens=4, eos={2})
+    assert again[0].tokens[0] not in pids  # a new process for each call
+
+
+def test_generate_alone_raises_what_went_wrong_there(child_llama_cpp):
+    with pytest.raises(ValueError, match="exceed llama.cpp's context of 4096"):
+        generate_alone("model.gguf", 2, [list(range(4096))], max_new_tokens=4, eos=set())
+    with pytest.raises(RuntimeError, match="llama.cpp's process exited with status -6"):
+        generate_alone("crash.gguf", 2, [[1]], max_new_tokens=4, eos=set())
+
+
 def test_rates():
     run = LlamaCppRun([1, 2, 3, 4, 5], seconds=2.0, decode_seconds=1.0)
     assert run.tokens_per_s == 2.5 and run.decode_tokens_per_s == 4.0
@@ -250,6 +304,41 @@ def test_bench_llamacpp_refuses_clearly_before_loading(tmp_path, args, message):
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_bench_llamacpp_without_the_package_fails_before_loading(no_llama_cpp, tmp_path, monkeypatch):
+    monkeypatch.setattr("commands.bench.build_engines", lambda *a: pytest.fail("loaded our models for nothing"))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    args = ["--target", "qwen-1.5b", "--draft", "none", "--prompts", str(prompts), "--json", str(tmp_path / "o.json")]
+    proc = specvoice("bench", *args, "--llamacpp", check=False)
+    assert proc.returncode == 2 and "llama-cpp-python: run scripts/setup.sh --llama" in proc.stderr
+
+
+@cpu_only
+def test_bench_runs_llamacpp_alone_and_joins_per_prompt(tiny_engine, tmp_path, monkeypatch, child_llama_cpp):
+    monkeypatch.setattr("commands.bench.preset_gguf", lambda name: tmp_path / "model.gguf")  # the tiny target has none
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("hi", "count: 1 2 3", "a b")))
+    out = tmp_path / "bench.json"
+    args = ["--prompts", str(prompts), "--max-new-tokens", "64", "--compare", "none", "--json", str(out)]
+    specvoice("bench", *tiny_engine.cli_args, *args, "--llamacpp")
+    data = json.loads(out.read_text())
+    for p in data["prompts"]:
+        llama = p["llamacpp"]
+        assert set(llama) == {
+            "tokens",
+            "seconds",
+            "tokens_per_s",
+            "decode_tokens_per_s",
+            "identical_to_baseline",
+            "first_divergence",
+        }
+        assert llama["tokens"] == 1 + p["prompt_tokens"]  # its process's pid, then this prompt echoed: joined right
+        assert llama["identical_to_baseline"] is False and llama["first_divergence"] == 0
+    summary = data["summary"]
+    assert summary["llamacpp_isolation"] == ISOLATION
+    assert summary["llamacpp_identical_fraction"] == 0.0 and summary["llamacpp_tokens_per_s_median"] > 0
+
+
 @pytest.mark.models
 def test_real_llamacpp_greedy_on_the_draft_preset(real_models):
     pytest.importorskip("llama_cpp")
@@ -258,9 +347,11 @@ def test_real_llamacpp_greedy_on_the_draft_preset(real_models):
     from specdec.tokenizer import HFTokenizer
 
     tok = HFTokenizer(AutoTokenizer.from_pretrained(str(models.offline_dir(models.PRESETS["qwen-0.5b"]))))
-    llama = LlamaCppModel.from_preset("qwen-0.5b", n_threads=2, n_ctx=256)
+    llama = LlamaCppModel(preset_gguf("qwen-0.5b"), n_threads=2, n_ctx=256)
     prompt = tok.chat_ids([{"role": "user", "content": "What is the capital of France?"}])
     first = llama.generate(prompt, 4, tok.eos_token_ids)
     assert 1 <= len(first.tokens) <= 4 and first.tokens_per_s > 0
     assert "Paris" in tok.decode(llama.generate(prompt, 12, tok.eos_token_ids).tokens)
     assert llama.generate(prompt, 4, tok.eos_token_ids).tokens == first.tokens  # cold each time: the same answer
+    alone = generate_alone(preset_gguf("qwen-0.5b"), 2, [prompt], 4, tok.eos_token_ids, warmup=prompt)
+    assert alone[0].tokens == first.tokens  # the same model in a process of its own
