@@ -85,6 +85,9 @@ def main(args: argparse.Namespace) -> int:
         "first_chunk_tokens_median": {
             m: statistics.median(p[m]["first_chunk_tokens"] for p in pairs) for m in ("off", "on")
         },
+        "first_chunk_tokens_per_forward_median": {
+            m: statistics.median(p[m]["first_chunk_tokens_per_forward"] or 0 for p in pairs) for m in ("off", "on")
+        },
         "stall_ms": {m: spread([p[m]["stall_ms"] for p in pairs]) for m in ("off", "on")},
         "turns_with_stalls": sum(p[m]["stall_ms"] > 0 for p in pairs for m in ("off", "on")),
         "draft_acceptance_rate_median": statistics.median(p["on"]["draft_acceptance_rate"] or 0 for p in pairs),

@@ -76,6 +76,7 @@ class TurnResult:
             "stages": tl["stages"],
             "timeline": tl,
             "first_chunk_tokens": self.timeline.first_chunk_tokens,
+            "first_chunk_tokens_per_forward": tl["first_chunk_tokens_per_forward"],
             "tokens": self.stats.tokens,
             "tokens_per_s": self.stats.tokens_per_s,
             "draft_acceptance_rate": spec.draft_acceptance_rate if spec.proposed else None,
@@ -314,9 +315,9 @@ class VoiceAgent:
                     )
                     running_dry = chunks.empty() and timeline.runs_dry(time.perf_counter() + RUN_DRY_MARGIN_S)
                     for chunk in chunker.push(delta.text, running_dry):
-                        chunks.put((chunk, time.perf_counter(), stats.tokens))
+                        chunks.put((chunk, time.perf_counter(), stats.tokens, stats.spec.target_forwards))
                 for chunk in chunker.flush():
-                    chunks.put((chunk, time.perf_counter(), stats.tokens))
+                    chunks.put((chunk, time.perf_counter(), stats.tokens, stats.spec.target_forwards))
             except BaseException as e:  # surfaced in the caller's thread below
                 failure.append(e)
             finally:
@@ -329,12 +330,13 @@ class VoiceAgent:
             spoken: list[str] = []
             spoken_tokens = 0
             while (item := chunks.get()) is not None:
-                text, released_t, tokens_so_far = item
+                text, released_t, tokens_so_far, forwards_so_far = item
                 if cancel.is_set():
                     continue  # drain: the producer stops at its next step
                 if not timeline.has("first_chunk_ready"):
                     timeline.mark("first_chunk_ready", released_t)
                     timeline.first_chunk_tokens = tokens_so_far
+                    timeline.first_chunk_forwards = forwards_so_far
                 emit("chunk", text)
                 for samples in self.tts.stream(text):
                     if cancel.is_set():  # checked before sending: an interrupted answer plays nothing more

@@ -34,6 +34,7 @@ class Timeline:
     last_audio_out: float | None = None
     heard_ms: float | None = None  # filled by the browser: first sample heard, relative to speech_end
     first_chunk_tokens: int = 0  # tokens generated before the first chunk was released
+    first_chunk_forwards: int = 0  # the target forwards that generated them (0: the LLM stage does not count them)
     early_start: float | None = None  # the answer started at the pause, before the turn was confirmed
     first_audio_ready: float | None = None  # the TTS had the first samples (held until confirmed if early)
     early_discarded: int = 0  # early answers of this turn thrown away (the user went on, or other final words)
@@ -110,6 +111,9 @@ class Timeline:
             "last_audio_out_ms": (self.last_audio_out - t0) * 1000 if (t0 and self.last_audio_out) else None,
             "stall_ms": self.stall_s * 1000,
             "first_chunk_tokens": self.first_chunk_tokens,
+            "first_chunk_tokens_per_forward": (
+                self.first_chunk_tokens / self.first_chunk_forwards if self.first_chunk_forwards else None
+            ),
             "early_start_ms": (self.early_start - t0) * 1000 if (t0 and self.early_start) else None,
             "early_discarded": self.early_discarded,
             "saved_ms": self.saved_ms(),

@@ -66,6 +66,9 @@ DEFINITIONS: dict[str, str] = {
     "tokens/s than speculation off (null if none)",
     "ttfa_ms": "time to first audio: end of the last voiced user audio → first answer sample out of the TTS "
     "(server side); includes the end-of-turn silence wait, and its stages add up to it",
+    "first_chunk_tokens_per_forward": "a voice turn: the tokens emitted up to the release of the first spoken chunk "
+    "÷ the target forwards that emitted them, the prefill's forward included (what a listener waits for: each "
+    "forward saved there comes off TTFA); bench-voice reports the median per mode",
     "stall_ms": "silence inside an answer (server side): with its audio played at real speed from the first sample "
     "out of the TTS, the total time the listener waits between the end of the samples out so far and the next ones; "
     "0 when the speech never runs dry",

@@ -73,6 +73,33 @@ def test_typed_turn_streams_in_order_and_fills_timeline():
     assert conv.history[-1] == {"role": "assistant", "content": d["answer"]}
 
 
+def test_a_turn_reports_its_first_chunks_tokens_per_forward(tiny_engine):
+    """The opening's tokens per target forward: tokens up to the first spoken chunk ÷ the forwards that made them,
+    the prefill's included; None from an LLM stage that counts no forwards."""
+    from pipeline.llm import EngineLLM
+    from specdec.build import build_engine
+    from specdec.engine import EngineSession
+
+    engine, _ = build_engine(tiny_engine.spec)
+    llm = EngineLLM(engine, 24, session=EngineSession(engine))
+    seen: dict[int, int] = {}  # tokens so far -> target forwards so far, after each delta
+    stream = llm.stream_reply
+
+    def counted(messages, speculation, stats, cancel=None):
+        for delta in stream(messages, speculation, stats, cancel):
+            seen[stats.tokens] = stats.spec.target_forwards
+            yield delta
+
+    llm.stream_reply = counted
+    agent = VoiceAgent(AgentConfig(first_chunk_words=1), SharedProvider(llm), NoASR(), FakeTTS())
+    d = agent.respond(agent.new_conversation(), "Say something.", Timeline(), True).to_dict()
+    n = d["first_chunk_tokens"]
+    assert n >= 1 and d["first_chunk_tokens_per_forward"] == pytest.approx(n / seen[n])
+    scripted, _ = scripted_agent(NoASR())
+    turn = scripted.respond(scripted.new_conversation(), "Hi.", Timeline(), True).to_dict()
+    assert turn["first_chunk_tokens_per_forward"] is None
+
+
 def test_timeline_counts_the_silences_inside_an_answer():
     tl = Timeline()
     tl.audio_out(10.0, 0.5)
