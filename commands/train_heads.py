@@ -1,7 +1,9 @@
 """`specvoice train-heads`: draft heads for a target, trained here on its own answers (self-distillation).
 
 1. The target (in the format it will run in) answers the training prompts greedily, batched; every position's
-   last hidden state is kept (shards in --work; a stopped run resumes at the first missing shard).
+   last hidden state is kept (shards in --work; a stopped run resumes at the first missing shard). With --corpus,
+   the corpus's answers (`specvoice corpus`) are read instead, their features recomputed by a teacher-forced
+   prefill (shards in --work too), also those of the layers EAGLE-3 heads fuse (--fuse-layers).
 2. The heads learn to predict the target's next tokens from those states (checkpointed in --work; resumed).
 3. The heads are written to --out (the shipped ones: assets/heads/<target>.safetensors), and replayed on the
    held-out answers: acceptance by draft position, in the log and the --json report.
@@ -24,11 +26,28 @@ from pipeline.llm import SYSTEM_PROMPT
 from pipeline.options import positive_int
 from specdec.bench import read_prompts
 from specdec.build import DTYPES, EngineSpec, quantize_target
-from specdec.heads_data import load_shards, make_dataset, make_text_dataset, shipped_text
+from specdec.heads_data import (
+    Sequence,
+    corpus_dataset,
+    fingerprint,
+    load_shards,
+    make_dataset,
+    make_text_dataset,
+    read_sequences,
+    shipped_text,
+)
 from specdec.heads_file import default_heads_path, save_heads
 from specdec.heads_model import HEAD_KINDS
-from specdec.heads_train import TrainConfig, fit_heads, fmt, fmt_accs, simulated_acceptance
-from specdec.models import asset_path, cache_dir, load_model, log
+from specdec.heads_train import (
+    TrainConfig,
+    eagle3_layers,
+    fit_heads,
+    fmt,
+    fmt_accs,
+    heads_config,
+    simulated_acceptance,
+)
+from specdec.models import LoadedModel, asset_path, cache_dir, load_model, log
 from specdec.quant import TARGET_QUANTS
 
 TRAIN_PROMPTS = asset_path("prompts", "train_prompts.jsonl")
@@ -46,6 +65,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="JSONL training requests (default: the 600 shipped ones, kept apart from every benchmark prompt)",
     )
     parser.add_argument("--limit", type=int, default=0, help="use only the first N prompts")
+    parser.add_argument(
+        "--corpus",
+        default="",
+        help="train on this corpus's answers (`specvoice corpus`, e.g. assets/corpus) instead of answering --prompts "
+        "and reading --text-chars",
+    )
+    parser.add_argument(
+        "--fuse-layers",
+        default="",
+        help="eagle with --corpus: the target layers fused into its input (EAGLE-3), as hidden_states indices "
+        "'2,14,25', or 'auto' for EAGLE-3's 2, L/2, L-3; '' (default): the final norm's output",
+    )
+    parser.add_argument(
+        "--ttt-steps", type=positive_int, default=t.ttt_steps, help="eagle: draft positions trained at once"
+    )
     parser.add_argument(
         "--text-chars",
         type=int,
@@ -73,6 +107,47 @@ def training_prompts(tokenizer, rows: list[dict]) -> list[list[int]]:
     return out
 
 
+def parse_fuse_layers(value: str, n_layers: int) -> tuple[int, ...]:
+    """--fuse-layers: '' (none), 'auto' (EAGLE-3's choice for this depth) or comma-separated indices."""
+    if value == "auto":
+        return eagle3_layers(n_layers)
+    return tuple(int(i) for i in value.split(",") if i.strip())
+
+
+def corpus_shards(folder: Path, target: str) -> list[Path]:
+    """The corpus's answer shards, made by `target` (their greedy answers are its choices, not another model's)."""
+    shards = sorted((folder / "answers").glob("answers_*.jsonl.gz"))
+    if not shards:
+        raise ValueError(f"no answer shards in {folder / 'answers'}: make them with `specvoice corpus answers`")
+    recipe = folder / "answers" / "recipe.json"
+    made_by = json.loads(recipe.read_text()).get("target", target) if recipe.exists() else target
+    if made_by != target:
+        raise ValueError(f"the corpus in {folder} was answered by {made_by!r}, not {target!r}")
+    return shards
+
+
+def training_data(
+    args: argparse.Namespace, target: LoadedModel, work: Path, cfg: TrainConfig
+) -> tuple[list[Sequence], Path]:
+    """The sequences to train on and the checkpoint for them: the corpus's, else the prompts' answers and text."""
+    kind, fuse = cfg.kind, cfg.fuse_layers
+    if args.corpus:
+        shards = corpus_shards(Path(args.corpus), args.target)
+        with tqdm(total=len(shards), desc="reading the corpus", unit="shard", file=sys.stderr) as bar:
+            paths = corpus_dataset(target, args.target_quant, shards, work, fuse, progress=advance(bar))
+        # A checkpoint per set of feature shards: training on more of the corpus starts over.
+        return read_sequences(paths), paths[0].parent / f"{kind}-{fingerprint([p.name for p in paths])[:12]}.ckpt"
+    if fuse:
+        raise ValueError("--fuse-layers needs --corpus: the prompts' answers keep the final norm's output only")
+    with tqdm(total=1, desc="answering", unit="batch", file=sys.stderr) as bar:
+        prompts = training_prompts(target.tokenizer, read_prompts(args.prompts, args.limit))
+        make_dataset(target, prompts, work, args.max_new_tokens, args.batch_size, advance(bar))
+    if args.text_chars:
+        with tqdm(total=1, desc="reading text", unit="batch", file=sys.stderr) as bar:
+            make_text_dataset(target, shipped_text(args.text_chars), work, args.passage_tokens, 8, advance(bar))
+    return load_shards(work), work / f"{kind}.ckpt"
+
+
 def advance(bar: tqdm) -> Callable[[int, int], None]:
     """A progress callback (done, total) that moves `bar`."""
 
@@ -95,20 +170,18 @@ def main(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     work = Path(args.work) if args.work else cache_dir() / "heads" / f"{args.target}-{args.target_quant}"
     out = Path(args.out) if args.out else default_heads_path(args.target)
-    rows = read_prompts(args.prompts, args.limit)
     target = load_model(args.target, DTYPES[args.dtype])
     # Float LM head rows for the heads, taken before quantization (load_heads does the same at run time).
     lm_weight = target.model.get_output_embeddings().weight.detach().clone()
     quantize_target(target, args.target_quant)
 
-    with tqdm(total=1, desc="answering", unit="batch", file=sys.stderr) as bar:
-        prompts = training_prompts(target.tokenizer, rows)
-        make_dataset(target, prompts, work, args.max_new_tokens, args.batch_size, advance(bar))
-    if args.text_chars:
-        with tqdm(total=1, desc="reading text", unit="batch", file=sys.stderr) as bar:
-            make_text_dataset(target, shipped_text(args.text_chars), work, args.passage_tokens, 8, advance(bar))
+    fuse = parse_fuse_layers(args.fuse_layers, target.model.config.num_hidden_layers)
+    cfg = TrainConfig(
+        kind=args.kind, vocab=args.vocab, epochs=args.epochs, lr=args.lr, ttt_steps=args.ttt_steps, fuse_layers=fuse
+    )
+    heads_config(cfg.kind, target.model.config, target.name, fuse)  # a bad --fuse-layers fails now, not after the data
+    seqs, checkpoint = training_data(args, target, work, cfg)
     data_s = time.perf_counter() - started
-    cfg = TrainConfig(kind=args.kind, vocab=args.vocab, epochs=args.epochs, lr=args.lr)
     with tqdm(total=1, desc=f"training {cfg.kind}", unit="step", file=sys.stderr) as bar:
 
         def trained(step: int, total: int, info: dict) -> None:
@@ -116,14 +189,15 @@ def main(args: argparse.Namespace) -> int:
             bar.n = step
             bar.set_postfix_str(fmt(info), refresh=True)
 
-        heads, accs, val = fit_heads(
-            load_shards(work), cfg, target, lm_weight, work / f"{cfg.kind}.ckpt", write, trained
-        )
+        heads, accs, val = fit_heads(seqs, cfg, target, lm_weight, checkpoint, write, trained)
     replay = simulated_acceptance(heads, val, k=4)
     report = {
         "target": args.target,
         "target_quant": args.target_quant,
         "kind": cfg.kind,
+        "corpus": args.corpus,
+        "fuse_layers": list(cfg.fuse_layers),
+        "ttt_steps": cfg.ttt_steps,
         "config": asdict(cfg),
         "held_out_answers": len(val),
         "validation_top1_per_head": accs,

@@ -13,6 +13,7 @@ import torch
 from . import compute
 from .drafters import Drafter, NGramDrafter, Proposal
 from .events import StepEvent
+from .heads_drafter import target_layers
 from .kpolicy import KPolicy, SpeculationGovernor
 from .kv import Feed, SequenceCache
 from .metrics import SpecStats
@@ -56,6 +57,7 @@ class EngineSession:
         if reads_hidden and not self.target.keep_hidden:
             self.target.reset()  # its features start with the next forward, so that forward must see everything
         self.target.keep_hidden = reads_hidden
+        self.target.keep_layers = target_layers(drafter) if reads_hidden else ()
         self.drafter = drafter
 
     def use_drafter(self, kind: str) -> None:

@@ -1,7 +1,9 @@
 """Training data for draft heads, made offline by self-distillation: the target answers training prompts greedily,
-and every position's last hidden state (the input of its LM head) is kept with the tokens.
+and every position's last hidden state (the input of its LM head) is kept with the tokens. Or from the corpus of
+answers as token ids (specdec/corpus.py), the features recomputed by a teacher-forced prefill (corpus_dataset),
+also those of the layers EAGLE-3 heads fuse.
 
-Written in shards, one per batch of prompts, so a stopped run resumes at the first missing shard.
+Written in shards, one per batch of prompts (or per corpus shard), so a stopped run resumes at the first missing one.
 """
 
 from __future__ import annotations
@@ -9,14 +11,17 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
+from .corpus import read_rows
+from .kv import Feed
 from .models import LoadedModel
+from .runner import BatchRunner
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -26,9 +31,13 @@ if TYPE_CHECKING:
 class Sequence:
     tokens: list[int]  # prompt + answer (cut after the answer's first EOS), or a passage of text
     answer_start: int  # the first position whose next token is learnt (the first answer token; 1 for text)
-    features: torch.Tensor  # (len(tokens) - 1, hidden), bf16: the target's last hidden state at each position
+    # (len(tokens) - 1, width), bf16: the target's last hidden state at each position (width = hidden), or the
+    # states of the layers fused heads read, side by side (HeadsConfig.fuse_layers)
+    features: torch.Tensor
     labels: list[int]  # len(tokens) - 1: the target's greedy choice after each position
-    is_answer: bool = True  # the target's own answer (else a passage of text)
+    # the target's own greedy answer (held out and replayed as such); else a passage of text or a sampled answer,
+    # whose labels are the target's greedy choices, not its next tokens
+    is_answer: bool = True
 
     @classmethod
     def from_row(cls, row: dict) -> Sequence:
@@ -37,6 +46,11 @@ class Sequence:
             return cls(tokens, int(row["answer_start"]), row["features"], row["labels"].tolist(), is_answer=False)
         return cls(tokens, int(row["answer_start"]), row["features"], tokens[1:])  # a greedy answer's own choices
 
+    def to_row(self) -> dict:
+        """What a shard stores (from_row reads it back): the labels only where they are not the next tokens."""
+        row = {"tokens": torch.tensor(self.tokens), "answer_start": self.answer_start, "features": self.features}
+        return row if self.is_answer else {**row, "labels": torch.tensor(self.labels)}
+
 
 def shard_path(work: Path, index: int, kind: str = "shard") -> Path:
     return work / "data" / f"{kind}_{index:04d}.pt"
@@ -44,7 +58,10 @@ def shard_path(work: Path, index: int, kind: str = "shard") -> Path:
 
 def load_shards(work: Path) -> list[Sequence]:
     """Every recorded sequence: the answers (shard_*), then the text passages (text_*)."""
-    paths = sorted((work / "data").glob("shard_*.pt")) + sorted((work / "data").glob("text_*.pt"))
+    return read_sequences(sorted((work / "data").glob("shard_*.pt")) + sorted((work / "data").glob("text_*.pt")))
+
+
+def read_sequences(paths: list[Path]) -> list[Sequence]:
     return [Sequence.from_row(row) for path in paths for row in torch.load(path, weights_only=True)]
 
 
@@ -62,7 +79,7 @@ def _check_recipe(path: Path, recipe: dict) -> None:
     path.write_text(json.dumps(recipe))
 
 
-def _fingerprint(obj: object) -> str:
+def fingerprint(obj: object) -> str:
     return hashlib.sha256(json.dumps(obj).encode()).hexdigest()
 
 
@@ -120,18 +137,14 @@ def make_dataset(
     kept, so a stopped run resumes where it was."""
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     n_batches = math.ceil(len(order) / batch_size)
-    recipe = {"prompts": _fingerprint(prompts), "max_new_tokens": max_new_tokens, "batch_size": batch_size}
+    recipe = {"prompts": fingerprint(prompts), "max_new_tokens": max_new_tokens, "batch_size": batch_size}
     _check_recipe(work / "data" / "recipe.json", recipe)
     eos = target.tokenizer.eos_token_ids
     for index in range(n_batches):
         path = shard_path(work, index)
         if not path.exists():
             batch = [prompts[i] for i in order[index * batch_size : (index + 1) * batch_size]]
-            rows = [
-                {"tokens": torch.tensor(s.tokens), "answer_start": s.answer_start, "features": s.features}
-                for s in generate_batch(target, batch, max_new_tokens, eos)
-            ]
-            _save_shard(rows, path)
+            _save_shard([s.to_row() for s in generate_batch(target, batch, max_new_tokens, eos)], path)
         progress(index + 1, n_batches)
 
 
@@ -160,7 +173,7 @@ def make_text_dataset(
     answers alone (EAGLE trains on fixed text with the target's own features too). Resumable like make_dataset."""
     ids = target.tokenizer.encode(text)
     passages = [ids[i : i + passage_tokens] for i in range(0, len(ids) - passage_tokens + 1, passage_tokens)]
-    _check_recipe(work / "data" / "text_recipe.json", {"text": _fingerprint(text), "passage_tokens": passage_tokens})
+    _check_recipe(work / "data" / "text_recipe.json", {"text": fingerprint(text), "passage_tokens": passage_tokens})
     n_batches = math.ceil(len(passages) / batch_size)
     for index in range(n_batches):
         path = shard_path(work, index, "text")
@@ -174,3 +187,81 @@ def shipped_text(limit_chars: int) -> str:
     from pydoc_data.topics import topics
 
     return "\n\n".join(topics[name] for name in sorted(topics))[:limit_chars]
+
+
+@torch.inference_mode()
+def teacher_forced(
+    target: LoadedModel, rows: list[dict], fuse_layers: tuple[int, ...] = (), batch_tokens: int = 4096
+) -> Iterator[Sequence]:
+    """Sequences from corpus rows (prompt_ids + answer_ids, specdec/corpus.py) with the target's features recomputed
+    by a teacher-forced prefill: rows packed into forwards of up to batch_tokens positions (runner.BatchRunner: no
+    padding; on an AMX CPU a forward of many rows costs little more than one). Features: the final norm's output,
+    or the fuse_layers' states side by side."""
+    runner = BatchRunner(target.model, target.device)  # fused attention: training data needs no bit-exact rows
+    keep = (*fuse_layers, runner.n_layers)  # and the final norm's output: a sampled answer's labels come from it
+    for group in _packed(rows, batch_tokens):
+        caches = [runner.new_cache() for _ in group]
+        for cache in caches:
+            cache.keep_hidden, cache.keep_layers = True, keep
+        runner.extend([Feed(c, row["prompt_ids"] + row["answer_ids"][:-1]) for c, row in zip(caches, group)])
+        for row, cache in zip(group, caches):
+            assert cache.hidden is not None
+            yield _forced_sequence(target, row, cache.hidden, bool(fuse_layers))
+
+
+def _packed(rows: list[dict], budget: int) -> Iterator[list[dict]]:
+    """Consecutive rows, as many as `budget` fed positions hold (one at least)."""
+    group: list[dict] = []
+    size = 0
+    for row in rows:
+        n = len(row["prompt_ids"]) + len(row["answer_ids"]) - 1
+        if group and size + n > budget:
+            yield group
+            group, size = [], 0
+        group.append(row)
+        size += n
+    if group:
+        yield group
+
+
+def _forced_sequence(target: LoadedModel, row: dict, hidden: torch.Tensor, fused: bool) -> Sequence:
+    """hidden: the kept states (fused layers, then the final norm's output) at every position but the last."""
+    tokens = row["prompt_ids"] + row["answer_ids"]
+    start = len(row["prompt_ids"])
+    width = target.model.config.hidden_size
+    states, final = hidden.split([hidden.shape[1] - width, width], dim=-1)
+    features = (states if fused else final).to(torch.bfloat16).cpu()
+    if row["temperature"] == 0:
+        return Sequence(tokens, start, features, tokens[1:])
+    # A sampled answer: the heads learn the target's greedy choice after each of its positions, not the sample.
+    head = target.model.get_output_embeddings()
+    chosen = [int(t) for chunk in final[start - 1 :].split(256) for t in head(chunk).argmax(-1)]
+    return Sequence(tokens, start, features, tokens[1:start] + chosen, is_answer=False)
+
+
+def corpus_dataset(
+    target: LoadedModel,
+    quant: str,
+    shards: list[Path],
+    work: Path,
+    fuse_layers: tuple[int, ...] = (),
+    batch_tokens: int = 4096,
+    progress: Callable[[int, int], None] = lambda done, total: None,
+) -> list[Path]:
+    """The features of the corpus's answer shards, by teacher_forced: one feature shard per answer shard, in a folder
+    of work/corpus/ per recipe (target, quant, dtype, fuse_layers), named by the answer shard's content, so a stopped
+    run resumes at the first missing one and a remade answer shard is read anew. Returns the feature shards' paths
+    (read_sequences reads them)."""
+    recipe = {"target": target.name, "quant": quant, "dtype": str(target.dtype), "fuse_layers": list(fuse_layers)}
+    folder = work / "corpus" / fingerprint(recipe)[:12]
+    _check_recipe(folder / "recipe.json", recipe)
+    paths = []
+    for i, shard in enumerate(shards):
+        content = hashlib.sha256(shard.read_bytes()).hexdigest()[:12]
+        path = folder / f"{shard.name.split('.')[0]}-{content}.pt"
+        if not path.exists():
+            seqs = teacher_forced(target, read_rows(shard), fuse_layers, batch_tokens)
+            _save_shard([s.to_row() for s in seqs], path)
+        paths.append(path)
+        progress(i + 1, len(shards))
+    return paths

@@ -36,9 +36,10 @@ class HeadsDrafter:
         self.reads_target_hidden = True
         self.heads = heads
         self.min_prob = min_prob
+        self.target_layers = heads.cfg.fuse_layers  # what the target's cache keeps for us (kv.SequenceCache)
         self.tokens: list[int] = []  # the conversation the target has verified; features[j] belongs to tokens[j]
         self.device = heads.vocab_ids.device
-        self.features = torch.zeros(0, heads.cfg.hidden, device=self.device)
+        self.features = torch.zeros(0, heads.cfg.feature_width, device=self.device)
         self.eagle: EagleCache | None = None
         if heads.eagle is not None:  # slots 1 …, each computed from true features
             self.eagle = EagleCache(heads.cfg.n_kv_heads, heads.eagle.head_dim, self.device)
@@ -94,7 +95,7 @@ class HeadsDrafter:
         self._crop_slots(common_prefix_length(self.slot_tokens, context[1:]))
         first = len(self.slot_tokens) + 1  # the first slot to compute; slots first … last read true features
         ids = torch.tensor([context[first : last + 1]], device=self.device)
-        feats = self.features[first - 1 : last].unsqueeze(0)
+        feats = layer.true_features(self.features[first - 1 : last].unsqueeze(0))
         positions = torch.arange(first, last + 1, device=self.device)
         pred = layer(heads.embed_tokens(ids), feats, positions, cache)[0, -1]
         self.slot_tokens = context[1 : last + 1]
@@ -112,3 +113,9 @@ class HeadsDrafter:
                 pred = layer(heads.embed_tokens(token.view(1, 1)), pred.view(1, 1, -1), pos, cache)[0, -1]
         cache.length = len(self.slot_tokens)  # the draft slots go: they read predicted features
         return Proposal.gated(drafts, tops, probs, self.min_prob, forwards=k)
+
+
+def target_layers(drafter: object) -> tuple[int, ...]:
+    """The target layers a drafter reads (HeadsDrafter.target_layers; () for the final norm's output), also through
+    a drafter that wraps it as `inner` (drafters.OpeningEchoDrafter)."""
+    return getattr(getattr(drafter, "inner", drafter), "target_layers", ())

@@ -7,6 +7,8 @@ logits for token j + 1). Two kinds, chosen between by measurement (docs/results.
 - eagle (EAGLE-style): one small decoder layer reads slot j = (embedding of token t_j, feature f_{j-1}) and
   predicts f_j; the target's LM head rows for a frequent-token vocabulary turn that into a draft for t_{j+1}. The next
   slot reads (the draft, the predicted feature), so drafting runs autoregressively on a KV cache of its own.
+  With fuse_layers (EAGLE-3), a true slot's feature is instead the target's low, middle and high layer states fused
+  into one (FeatureFusion); a predicted feature stays the layer's own output.
 - medusa (Medusa-style): one residual block per future position over the last true feature, all in one step.
 
 The heads never decide what is emitted: the target verifies every draft, so output stays the target's. The file
@@ -39,10 +41,23 @@ class HeadsConfig:
     rms_eps: float = 1e-6
     n_medusa: int = 4  # medusa: future positions, one block each
     target: str = ""  # the model the heads were trained on
+    # eagle: the target states a true slot reads, fused (EAGLE-3), as indices into transformers' hidden_states (i:
+    # after i decoder layers, 0 the embeddings, num_hidden_layers the final norm's output); (): that output alone
+    fuse_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in HEAD_KINDS:
             raise ValueError(f"heads kind must be one of {', '.join(HEAD_KINDS)}, got {self.kind!r}")
+        object.__setattr__(self, "fuse_layers", tuple(self.fuse_layers))  # a file's JSON gives a list
+        if self.fuse_layers and self.kind != "eagle":
+            raise ValueError("fuse_layers is for eagle heads: medusa reads the final norm's output")
+        if any(i < 0 for i in self.fuse_layers):
+            raise ValueError(f"fuse_layers are hidden_states indices (≥ 0), got {self.fuse_layers}")
+
+    @property
+    def feature_width(self) -> int:
+        """The width of the target features the heads read: one hidden state per fused layer, else one."""
+        return self.hidden * max(1, len(self.fuse_layers))
 
 
 class RMSNorm(nn.Module):
@@ -55,6 +70,22 @@ class RMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
+class FeatureFusion(nn.Module):
+    """EAGLE-3's input feature: the target's states at several layers → one Linear(n·H → H). Each state is RMS-normed
+    first: a residual stream mid-model carries a few activations orders of magnitude above the rest (which the final
+    norm tames), and they would swamp the projection's gradients and its int8 rows."""
+
+    def __init__(self, hidden: int, n_layers: int, eps: float) -> None:
+        super().__init__()
+        self.hidden = hidden
+        self.norms = nn.ModuleList(RMSNorm(hidden, eps) for _ in range(n_layers))
+        self.proj = nn.Linear(n_layers * hidden, hidden, bias=False)
+
+    def forward(self, states: torch.Tensor) -> torch.Tensor:
+        parts = states.split(self.hidden, dim=-1)
+        return self.proj(torch.cat([norm(p) for norm, p in zip(self.norms, parts)], dim=-1))
+
+
 class EagleLayer(nn.Module):
     """fc(token embedding ⊕ feature) → one pre-norm decoder layer (GQA attention with RoPE, SwiGLU) → norm."""
 
@@ -62,6 +93,8 @@ class EagleLayer(nn.Module):
         super().__init__()
         h, self.head_dim = cfg.hidden, cfg.hidden // cfg.n_heads
         self.cfg = cfg
+        n_fused = len(cfg.fuse_layers)
+        self.fuse = FeatureFusion(h, n_fused, cfg.rms_eps) if n_fused else None
         self.fc = nn.Linear(2 * h, h, bias=False)
         self.attn_norm = RMSNorm(h, cfg.rms_eps)
         self.q = nn.Linear(h, cfg.n_heads * self.head_dim)
@@ -73,6 +106,11 @@ class EagleLayer(nn.Module):
         self.up = nn.Linear(h, cfg.intermediate, bias=False)
         self.down = nn.Linear(cfg.intermediate, h, bias=False)
         self.out_norm = RMSNorm(h, cfg.rms_eps)
+
+    def true_features(self, target_features: torch.Tensor) -> torch.Tensor:
+        """The feature a slot reads after a true position: the target's fused layers (EAGLE-3), or its final norm's
+        output as it is. A slot after a drafted position reads the layer's own prediction instead."""
+        return target_features if self.fuse is None else self.fuse(target_features)
 
     def qkv(self, emb: torch.Tensor, feat: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The residual stream x and rotated q, k and v of slots (B, T) at `positions`."""

@@ -1,8 +1,9 @@
 """Training draft heads on self-distilled data (heads_data.py): resumable, with loss and top-1 accuracy per head.
 
-eagle is trained for two draft positions at once ("training-time test", as EAGLE-3 does): position 1 reads the
-target's true feature, position 2 the feature the layer itself predicted, attending to the true slots before it,
-exactly as drafting does. medusa's block k learns token j + 1 + k from feature j.
+eagle is trained for ttt_steps draft positions at once ("training-time test", as EAGLE-3 does): position 1 reads
+the target's true feature, position d the feature the layer itself predicted at position d − 1, attending to the
+true slots before the draft and to the draft slots up to itself, exactly as drafting does. medusa's block k learns
+token j + 1 + k from feature j.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ class TrainConfig:
     lr: float = 1e-3
     batch_sequences: int = 16
     val_fraction: float = 0.1
-    feature_loss: float = 0.5  # weight of the feature regression next to the token loss (eagle)
+    feature_loss: float = 0.5  # weight of the feature regression next to the token loss (eagle on the final norm)
+    ttt_steps: int = 3  # eagle: draft positions trained at once, each after the layer's own predicted features
+    fuse_layers: tuple[int, ...] = ()  # eagle: the target layers fused into a true slot's feature (HeadsConfig)
     seed: int = 0
     checkpoint_every_s: float = 120.0
     bf16: bool = True  # autocast the training steps to bf16 (2.4× faster on this CPU; evaluation stays float32)
@@ -87,50 +90,82 @@ def local_labels(tokens: torch.Tensor, vocab_ids: torch.Tensor) -> torch.Tensor:
     return lookup[tokens]
 
 
-def eagle_losses(
-    heads: DraftHeads, batch: Batch, feature_scale: float, feature_loss: float
-) -> list[tuple[torch.Tensor, int, int]]:
-    """(loss, correct, counted) for draft positions 1 and 2.
+def eagle_predictions(heads: DraftHeads, batch: Batch, steps: int) -> list[torch.Tensor]:
+    """The features the eagle layer predicts at slots 1 … T − 1 (B, T − 1, H) for draft positions 1 … steps.
 
-    Slot j (1 ≤ j < T) reads token j and feature j − 1 and is scored on token j + 1 (the target's greedy choice)
-    and on feature j; only answer slots (j ≥ answer_start) count, as drafting starts after the first answer token.
+    Slot j reads token j; at step 1 the target's feature j − 1 (true_features), at step d ≥ 2 the feature step d − 1
+    predicted at slot j − 1 (zeros for slot 1), attending as drafting does (draft_attention).
     """
     layer = heads.eagle
     assert layer is not None
-    b, t = batch.tokens.shape
-    slots = torch.arange(1, t)
+    slots = torch.arange(1, batch.tokens.shape[1])
     emb = heads.embed_tokens(batch.tokens[:, 1:])
+    x, q, k, v = layer.qkv(emb, layer.true_features(batch.features), slots)
+    preds = [layer.finish(x, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))]
+    drafted: list[tuple[torch.Tensor, torch.Tensor]] = []  # keys and values of steps 2 … d
+    for _ in range(2, steps + 1):
+        shifted = F.pad(preds[-1][:, :-1], (0, 0, 1, 0))
+        xd, qd, kd, vd = layer.qkv(emb, shifted, slots)
+        drafted.append((kd, vd))
+        preds.append(layer.finish(xd, draft_attention(qd, (k, v), drafted)))
+    return preds
+
+
+def eagle_losses(
+    heads: DraftHeads, batch: Batch, feature_scale: float, feature_loss: float, steps: int = TrainConfig.ttt_steps
+) -> list[tuple[torch.Tensor, int, int]]:
+    """(loss, correct, counted) for draft positions 1 … steps (eagle_predictions).
+
+    Slot j is scored on token j + 1 (the target's greedy choice) at every step and, reading final-norm features, on
+    feature j; only answer slots (j ≥ answer_start) count, as drafting starts after the first answer token, and at
+    step d only from j ≥ d, where a true slot precedes the chain of drafts.
+    """
+    assert heads.eagle is not None
+    slots = torch.arange(1, batch.tokens.shape[1])
     labels = local_labels(batch.labels[:, 1:], heads.vocab_ids)  # slot j's label: the choice after j (slots 1 … T − 2)
     counted = (slots[None, :-1] >= batch.answer_start[:, None]) & (slots[None, :-1] + 1 < batch.lengths[:, None])
     labels = labels.masked_fill(~counted, -100)
+    regress = heads.eagle.fuse is None  # fused inputs are nothing the layer could predict: EAGLE-3 drops the regression
     true_next = batch.features[:, 1:]  # feature j for slots 1 … T − 2
-
-    x, q, k, v = layer.qkv(emb, batch.features, slots)
-    first = layer.finish(x, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
-    # Position 2: slot j reads the feature predicted at slot j − 1, and attends to the true slots before it and
-    # to itself (its own key), as in drafting.
-    shifted = torch.cat([first[:, :1].detach() * 0, first[:, :-1]], dim=1)
-    x2, q2, k2, v2 = layer.qkv(emb, shifted, slots)
-    rep = q2.shape[1] // k.shape[1]
-    k_rep, v_rep, k2_rep, v2_rep = (a.repeat_interleave(rep, dim=1) for a in (k, v, k2, v2))
-    scale = q2.shape[-1] ** -0.5
-    earlier = (q2 @ k_rep.transpose(-1, -2)) * scale
-    earlier = earlier.masked_fill(~torch.ones(t - 1, t - 1, dtype=torch.bool).tril(-1), float("-inf"))
-    own = (q2 * k2_rep).sum(-1, keepdim=True) * scale
-    weights = torch.softmax(torch.cat([earlier, own], dim=-1), dim=-1)
-    attended = weights[..., :-1] @ v_rep + weights[..., -1:] * v2_rep
-    second = layer.finish(x2, attended)
-
     out = []
-    for pred, position_counted in ((first, counted), (second, counted & (slots[None, :-1] >= 2))):
+    for d, pred in enumerate(eagle_predictions(heads, batch, steps), start=1):
+        position_counted = counted & (slots[None, :-1] >= d)
         logits = heads.lm(pred[:, :-1])
         lab = labels.masked_fill(~position_counted, -100)
-        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), lab.reshape(-1), ignore_index=-100)
-        reg = ((pred[:, :-1] - true_next) / feature_scale).pow(2).mean(-1)[position_counted].mean()
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), lab.reshape(-1), ignore_index=-100)
+        if regress:
+            reg = ((pred[:, :-1] - true_next) / feature_scale).pow(2).mean(-1)[position_counted].mean()
+            loss = loss + reg * feature_loss
         valid = lab != -100
         correct = int((logits.argmax(-1)[valid] == lab[valid]).sum())
-        out.append((ce + reg * feature_loss, correct, int(position_counted.sum())))
+        out.append((loss, correct, int(position_counted.sum())))
     return out
+
+
+def draft_attention(
+    q: torch.Tensor, true_kv: tuple[torch.Tensor, torch.Tensor], drafted: list[tuple[torch.Tensor, torch.Tensor]]
+) -> torch.Tensor:
+    """Attention of step d = len(drafted) + 1's queries (B, heads, S, dim), as drafting attends: slot j sees the true
+    slots up to j − d + 1 (the last one the target verified) and step s's slot at j − (d − s) for s = 2 … d, its own
+    key the last. drafted: steps 2 … d's keys and values (B, kv_heads, S, dim)."""
+    k, v = true_kv
+    d, n = len(drafted) + 1, q.shape[2]
+    rep = q.shape[1] // k.shape[1]
+    scale = q.shape[-1] ** -0.5
+    earlier = (q @ k.repeat_interleave(rep, dim=1).transpose(-1, -2)) * scale
+    scores = [earlier.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(1 - d), float("-inf"))]
+    values = []
+    for s, (ks, vs) in enumerate(drafted, start=2):
+        lag = d - s  # step s's slot on this query's chain sits `lag` slots back; none before slot 1
+        ks, vs = (F.pad(a.repeat_interleave(rep, dim=1), (0, 0, lag, 0))[:, :, :n] for a in (ks, vs))
+        own = (q * ks).sum(-1, keepdim=True) * scale
+        scores.append(own.masked_fill(torch.arange(n)[:, None] < lag, float("-inf")))
+        values.append(vs)
+    weights = torch.softmax(torch.cat(scores, dim=-1), dim=-1)
+    attended = weights[..., :n] @ v.repeat_interleave(rep, dim=1)
+    for i, vs in enumerate(values):
+        attended = attended + weights[..., n + i : n + i + 1] * vs
+    return attended
 
 
 def medusa_losses(heads: DraftHeads, batch: Batch) -> list[tuple[torch.Tensor, int, int]]:
@@ -155,10 +190,10 @@ def medusa_losses(heads: DraftHeads, batch: Batch) -> list[tuple[torch.Tensor, i
 
 
 def head_losses(
-    heads: DraftHeads, batch: Batch, feature_scale: float, feature_loss: float = TrainConfig.feature_loss
+    heads: DraftHeads, batch: Batch, feature_scale: float, cfg: TrainConfig
 ) -> list[tuple[torch.Tensor, int, int]]:
     if heads.cfg.kind == "eagle":
-        return eagle_losses(heads, batch, feature_scale, feature_loss)
+        return eagle_losses(heads, batch, feature_scale, cfg.feature_loss, cfg.ttt_steps)
     return medusa_losses(heads, batch)
 
 
@@ -179,13 +214,13 @@ def batches(seqs: list[Sequence], size: int, seed: int) -> list[list[Sequence]]:
 
 
 @torch.no_grad()
-def evaluate(heads: DraftHeads, seqs: list[Sequence], feature_scale: float) -> list[float]:
-    """Top-1 accuracy per head (eagle: per draft position 1 and 2) over `seqs`."""
+def evaluate(heads: DraftHeads, seqs: list[Sequence], feature_scale: float, cfg: TrainConfig) -> list[float]:
+    """Top-1 accuracy per head (eagle: per draft position 1 … ttt_steps) over `seqs`."""
     heads.eval()
     correct: list[int] = []
     counted: list[int] = []
     for group in batches(seqs, 16, 0):
-        for i, (_, c, n) in enumerate(head_losses(heads, make_batch(group), feature_scale)):
+        for i, (_, c, n) in enumerate(head_losses(heads, make_batch(group), feature_scale, cfg)):
             if i >= len(correct):
                 correct.append(0)
                 counted.append(0)
@@ -236,7 +271,7 @@ def train_heads(
         for group in opt.param_groups:
             group["lr"] = cosine_lr(step, total, cfg.lr, warmup=max(1, total // 20))
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16 and batch.features.device.type == "cpu"):
-            results = head_losses(heads, batch, scale, cfg.feature_loss)
+            results = head_losses(heads, batch, scale, cfg)
             loss = torch.stack([r[0] for r in results]).sum()
         opt.zero_grad()
         loss.backward()
@@ -250,13 +285,13 @@ def train_heads(
             info[f"top1_head{i + 1}"] = sum(w[i + 1] for w in window) / len(window)
         progress(step, total, info)
         if step % per_epoch == 0:
-            accs = evaluate(heads, val, scale)
+            accs = evaluate(heads, val, scale, cfg)
             epoch_done = step // per_epoch
             log(f"epoch {epoch_done}/{cfg.epochs}: train {fmt(info)}; validation top-1 per head {fmt_accs(accs)}")
         if time.monotonic() - last_save > cfg.checkpoint_every_s or step == total:
             save_checkpoint(heads, opt, cfg, step, checkpoint)
             last_save = time.monotonic()
-    return evaluate(heads, val, scale)
+    return evaluate(heads, val, scale, cfg)
 
 
 def save_checkpoint(heads: DraftHeads, opt: torch.optim.Optimizer, cfg: TrainConfig, step: int, path: Path) -> None:
@@ -310,9 +345,18 @@ def simulated_acceptance(heads: DraftHeads, seqs: list[Sequence], k: int) -> dic
     }
 
 
-def heads_config(kind: str, model_config, target: str) -> HeadsConfig:
+def eagle3_layers(n_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's choice of target layers to fuse: the states after layers 2, L/2 and L − 3 (low, middle, high)."""
+    if n_layers < 8:
+        raise ValueError(f"EAGLE-3's layers (2, L/2, L − 3) need 8 decoder layers or more, the target has {n_layers}")
+    return (2, n_layers // 2, n_layers - 3)
+
+
+def heads_config(kind: str, model_config, target: str, fuse_layers: tuple[int, ...] = ()) -> HeadsConfig:
     """Heads shaped after the target: its widths, attention heads and RoPE; an MLP a quarter of the target's."""
     c = model_config
+    if any(i > c.num_hidden_layers for i in fuse_layers):
+        raise ValueError(f"fuse_layers {fuse_layers}: the target's hidden_states go to {c.num_hidden_layers}")
     rope = getattr(c, "rope_parameters", None) or {}
     return HeadsConfig(
         kind=kind,
@@ -324,6 +368,7 @@ def heads_config(kind: str, model_config, target: str) -> HeadsConfig:
         rope_theta=float(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))),
         rms_eps=float(getattr(c, "rms_norm_eps", 1e-6)),
         target=target,
+        fuse_layers=fuse_layers,
     )
 
 
@@ -340,7 +385,12 @@ def fit_heads(
     per head, and the held-out sequences. lm_weight: the target's LM head in float (before any quantization)."""
     train, val = split(seqs, cfg.val_fraction, cfg.seed)
     vocab_ids = choose_vocab(train, cfg.vocab, target.tokenizer.eos_token_ids)
-    heads = DraftHeads(heads_config(cfg.kind, target.model.config, target.name), vocab_ids)
+    heads = DraftHeads(heads_config(cfg.kind, target.model.config, target.name, cfg.fuse_layers), vocab_ids)
+    if seqs[0].features.shape[1] != heads.cfg.feature_width:
+        raise ValueError(
+            f"the data's features are {seqs[0].features.shape[1]} wide; heads with fuse_layers {cfg.fuse_layers} "
+            f"read {heads.cfg.feature_width}: make the data with the same fuse_layers"
+        )
     heads.attach(target.model.get_input_embeddings(), lm_weight)
     log(
         f"{len(train)} training and {len(val)} held-out answers ({sum(len(s.tokens) for s in train)} tokens); "

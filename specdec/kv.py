@@ -65,8 +65,10 @@ class SequenceCache:
         self.keys = [torch.zeros(empty, dtype=runner.dtype, device=runner.device) for _ in range(runner.n_layers)]
         self.values = [torch.zeros_like(k) for k in self.keys]
         # keep_hidden: each forward also keeps the last hidden states (the LM head's input) of the positions it
-        # fed, hidden[i] at position hidden_start + i, for a drafter that reads them (draft heads)
+        # fed, hidden[i] at position hidden_start + i, for a drafter that reads them (draft heads); with
+        # keep_layers, those of these hidden_states indices instead (i: after i decoder layers), concatenated
         self.keep_hidden = False
+        self.keep_layers: tuple[int, ...] = ()
         self.hidden: torch.Tensor | None = None
         self.hidden_start = 0
 

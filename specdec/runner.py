@@ -95,7 +95,7 @@ class BatchRunner:
         spans = [(s, f.length - s) for s, f in zip(starts, feeds)]
         spans[-1] = (spans[-1][0], spans[-1][1] + pad)
         try:
-            hidden = self._forward(feeds, spans, token_ids, torch.tensor(positions, device=self.device))
+            states = self._forward(feeds, spans, token_ids, torch.tensor(positions, device=self.device))
         except BaseException:
             for f in feeds:  # a forward that failed half-way may have written some layers' caches: start over
                 f.cache.reset()
@@ -107,8 +107,11 @@ class BatchRunner:
             rows += range(offset + real - f.n_logits, offset + real)
             f.cache.tokens = f.tokens + [PENDING] * (f.length - len(f.tokens))
             if f.cache.keep_hidden:
-                f.cache.hidden, f.cache.hidden_start = hidden[offset : offset + real], start
+                layers = f.cache.keep_layers or (self.n_layers,)
+                f.cache.hidden = kept_rows(states, layers, slice(offset, offset + real))
+                f.cache.hidden_start = start
             offset += n
+        hidden = states[self.n_layers]
         logits = self.model.get_output_embeddings()(hidden[torch.tensor(rows, device=self.device)])
         return list(logits.split([f.n_logits for f in feeds]))
 
@@ -129,13 +132,18 @@ class BatchRunner:
 
     def _forward(
         self, feeds: list[Feed], spans: list[tuple[int, int]], ids: torch.Tensor, positions: torch.Tensor
-    ) -> torch.Tensor:
-        """The decoder over all new tokens, packed as one batch of rows; returns the final-norm hidden states."""
+    ) -> dict[int, torch.Tensor]:
+        """The decoder over all new tokens, packed as one batch of rows; returns hidden states [rows, hidden] by
+        transformers' hidden_states index: n_layers, the final norm's output, and those a feed's cache keeps."""
         decoder = self.model.get_decoder()
         x = decoder.embed_tokens(ids[None])  # [1, rows, hidden]
         cos, sin = decoder.rotary_emb(x, positions[None])
         attend = row_attention if self.exact_rows else causal_attention
+        wanted = {i for f in feeds if f.cache.keep_hidden for i in f.cache.keep_layers}
+        states: dict[int, torch.Tensor] = {}
         for layer, (project, finish) in enumerate(self.parts):
+            if layer in wanted:  # the state after `layer` layers: this layer's input
+                states[layer] = x[0]
             q, k, v = project(x, cos[0], sin[0])  # [heads, rows, dim]
             out, offset = [], 0
             for f, (start, n) in zip(feeds, spans):  # each sequence over its own cache
@@ -146,7 +154,14 @@ class BatchRunner:
                 out.append(attend(q[:, offset : offset + n], keys[:, :seen], values[:, :seen], self.scaling))
                 offset += n
             x = finish(x, torch.cat(out))
-        return decoder.norm(x)[0]
+        states[self.n_layers] = decoder.norm(x)[0]
+        return states
+
+
+def kept_rows(states: dict[int, torch.Tensor], layers: tuple[int, ...], rows: slice) -> torch.Tensor:
+    """Some rows of the states at `layers`, side by side (one layer's: a view, no copy)."""
+    parts = [states[i][rows] for i in layers]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
 
 def layer_parts(layer: Any, n_heads: int, kv_heads: int, head_dim: int) -> tuple[Callable, Callable]:

@@ -9,11 +9,13 @@ import os
 import pytest
 import torch
 
+from specdec.corpus import Job, generate_many, write_rows
 from specdec.engine import StepEvent
-from specdec.heads_data import load_shards, make_dataset
+from specdec.heads_data import corpus_dataset, load_shards, make_dataset, read_sequences
 from specdec.heads_file import save_heads
 from specdec.heads_train import TrainConfig, fit_heads
-from tests.support.engine import TEST_DEVICE, TinyEngine, tiny_prompts
+from specdec.runner import BatchRunner
+from tests.support.engine import TEST_DEVICE, TINY_FUSE, TinyEngine, tiny_prompts
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -81,13 +83,45 @@ def tiny_data(tiny_engine, tmp_path_factory):
     return work
 
 
+@pytest.fixture(scope="session")
+def tiny_corpus(tiny_engine, tmp_path_factory):
+    """A corpus folder as `specvoice corpus answers` writes it: the tiny target's answers in two shards, a quarter
+    of them sampled."""
+    folder = tmp_path_factory.mktemp("corpus")
+    target = tiny_engine.cpu_target
+    jobs = [Job(p, 0.8 if i % 4 == 3 else 0.0, seed=i) for i, p in enumerate(tiny_prompts(target, 48, seed=5))]
+    runner = BatchRunner(target.model, target.device)
+    answers = dict(generate_many(runner, jobs, 16, 24, target.tokenizer.eos_token_ids))
+    rows = [
+        {
+            "request": i,
+            "category": "",
+            "system": False,
+            "temperature": job.temperature,
+            "prompt_ids": job.prompt,
+            "answer_ids": answers[i],
+        }
+        for i, job in enumerate(jobs)
+    ]
+    for shard in range(2):
+        write_rows(folder / "answers" / f"answers_{shard:04d}.jsonl.gz", rows[shard * 24 : (shard + 1) * 24])
+    return folder
+
+
 @pytest.fixture(scope="session", params=["eagle", "medusa"])
 def tiny_heads(request, tiny_engine, tiny_data):
-    """Heads of each kind trained for a few seconds on the tiny target's own answers, saved like the shipped ones."""
+    """Heads of each kind trained for a few seconds on the tiny target's own answers, saved like the shipped ones;
+    "eagle3" (asked for by name) reads the layers TINY_FUSE, trained on the corpus's features (heads_data)."""
     target = tiny_engine.cpu_target  # train-heads runs on the CPU
     cfg = TrainConfig(kind=request.param, vocab=96, epochs=6, lr=3e-3, batch_sequences=8)
+    seqs = load_shards(tiny_data)
+    if request.param == "eagle3":
+        corpus = request.getfixturevalue("tiny_corpus")
+        shards = sorted((corpus / "answers").glob("answers_*.jsonl.gz"))
+        seqs = read_sequences(corpus_dataset(target, "none", shards, corpus / "work", TINY_FUSE))
+        cfg = TrainConfig(kind="eagle", vocab=96, epochs=6, lr=3e-3, batch_sequences=8, fuse_layers=TINY_FUSE)
     lm_weight = target.model.get_output_embeddings().weight
-    heads, _, val = fit_heads(load_shards(tiny_data), cfg, target, lm_weight, tiny_data / f"{cfg.kind}.ckpt", print)
-    path = tiny_data / f"{cfg.kind}.safetensors"
+    heads, _, val = fit_heads(seqs, cfg, target, lm_weight, tiny_data / f"{request.param}.ckpt", print)
+    path = tiny_data / f"{request.param}.safetensors"
     save_heads(heads, path)
     return path, val

@@ -10,15 +10,25 @@ import pytest
 import torch
 
 from commands import cli
+from specdec.build import build_engine
+from specdec.corpus import read_rows, write_rows
 from specdec.engine import EngineSession, GenerationConfig, collect
-from specdec.heads_data import load_shards, shard_path
+from specdec.heads_data import corpus_dataset, load_shards, read_sequences, shard_path, teacher_forced
 from specdec.heads_drafter import HeadsDrafter
 from specdec.heads_file import load_heads, read_heads, save_heads
-from specdec.heads_model import DraftHeads
-from specdec.heads_train import TrainConfig, heads_config, simulated_acceptance, train_heads
+from specdec.heads_model import DraftHeads, EagleCache
+from specdec.heads_train import (
+    TrainConfig,
+    eagle3_layers,
+    eagle_predictions,
+    heads_config,
+    make_batch,
+    simulated_acceptance,
+    train_heads,
+)
 from specdec.runner import BatchRunner
 from specdec.sampling import SamplingParams
-from tests.support.engine import WORDS, heads_engine, tiny_prompts
+from tests.support.engine import TINY_FUSE, WORDS, heads_engine, tiny_prompts
 
 
 def test_the_data_holds_each_position_s_feature(tiny_engine, tiny_data):
@@ -49,6 +59,23 @@ def test_keep_hidden_leaves_the_logits_bit_for_bit(tiny_engine):
     assert split.hidden_start == len(ids) - 3 and split.hidden is not None and len(split.hidden) == 3
 
 
+def test_kept_layers_are_transformers_hidden_states(tiny_engine):
+    """A cache that keeps layers gets, for the positions each forward fed, transformers' hidden_states at those
+    indices side by side (the embeddings, after layer 1, the final norm's output); its logits stay bit for bit."""
+    target = tiny_engine.target
+    ids = tiny_prompts(target, 1)[0]
+    runner = BatchRunner(target.model, target.device)
+    plain, kept = runner.new_cache(), runner.new_cache()
+    kept.keep_hidden, kept.keep_layers = True, TINY_FUSE
+    for n in (len(ids) - 3, len(ids)):  # a prefill, then a step of three tokens
+        assert torch.equal(plain.extend(ids[:n], n_logits=3), kept.extend(ids[:n], n_logits=3))
+    with torch.inference_mode():
+        states = target.model(torch.tensor([ids], device=target.device), output_hidden_states=True).hidden_states
+    assert kept.hidden_start == len(ids) - 3
+    torch.testing.assert_close(kept.hidden, torch.cat([states[i][0, -3:] for i in TINY_FUSE], -1), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("tiny_heads", ["eagle", "medusa", "eagle3"], indirect=True)
 def test_greedy_output_with_heads_is_target_only(tiny_engine, tiny_heads):
     engine = heads_engine(tiny_engine, tiny_heads)
     target = engine.target
@@ -62,6 +89,7 @@ def test_greedy_output_with_heads_is_target_only(tiny_engine, tiny_heads):
     assert accepted > 0  # drafts were accepted, so the accept path ran
 
 
+@pytest.mark.parametrize("tiny_heads", ["eagle", "medusa", "eagle3"], indirect=True)
 def test_a_session_keeps_features_across_answers(tiny_engine, tiny_heads):
     """A conversation's second answer prefills only what is new; the heads still draft from the cached part."""
     engine = heads_engine(tiny_engine, tiny_heads)
@@ -76,7 +104,7 @@ def test_a_session_keeps_features_across_answers(tiny_engine, tiny_heads):
     assert sum(e.drafted for e in events) > 0
 
 
-@pytest.mark.parametrize("tiny_heads", ["eagle"], indirect=True)  # medusa keeps no cache
+@pytest.mark.parametrize("tiny_heads", ["eagle", "eagle3"], indirect=True)  # medusa keeps no cache
 def test_eagle_drafts_the_same_with_or_without_its_cache(tiny_engine, tiny_heads):
     path, val = tiny_heads
     target = tiny_engine.target
@@ -92,6 +120,115 @@ def test_eagle_drafts_the_same_with_or_without_its_cache(tiny_engine, tiny_heads
         fresh.add_features(s.tokens[: pos - 1], 0, s.features[: pos - 1])
         ctx = s.tokens[:pos]
         assert torch.equal(incremental.propose(ctx, 3, greedy, None).tokens, fresh.propose(ctx, 3, greedy, None).tokens)
+
+
+@pytest.mark.parametrize("tiny_heads", ["eagle3"], indirect=True)
+def test_a_session_keeps_the_layers_its_heads_read(tiny_engine, tiny_heads):
+    """Also through the opening echo, which wraps the heads; none while another drafter drafts."""
+    path, _ = tiny_heads
+    engine, _ = build_engine(tiny_engine.spec_with(draft="heads", heads=str(path), opening_echo=True))
+    session = EngineSession(engine)
+    assert session.target.keep_hidden and session.target.keep_layers == TINY_FUSE
+    session.use_drafter("ngram")
+    assert not session.target.keep_hidden and session.target.keep_layers == ()
+    session.use_drafter("heads")
+    assert session.target.keep_layers == TINY_FUSE
+
+
+@pytest.mark.parametrize("fuse", [(), TINY_FUSE])
+def test_training_time_test_attends_as_drafting_does(tiny_engine, tiny_corpus, fuse):
+    """Step d of the training-time test at slot L + d − 1 predicts the feature drafting computes there (given the
+    true tokens): the eagle layer on its cache over the true slots up to L, then one slot per draft position."""
+    target = tiny_engine.cpu_target
+    torch.manual_seed(0)
+    heads = DraftHeads(heads_config("eagle", target.model.config, target.name, fuse), torch.arange(96))
+    heads.attach(target.model.get_input_embeddings(), target.model.get_output_embeddings().weight)
+    layer = heads.eagle
+    assert layer is not None
+    seqs = list(teacher_forced(target, read_rows(tiny_corpus / "answers" / "answers_0000.jsonl.gz")[:3], fuse))
+    with torch.no_grad():
+        preds = eagle_predictions(heads, make_batch(seqs), steps=3)
+        for b, s in enumerate(seqs):
+            tokens = torch.tensor(s.tokens)
+            for last in (s.answer_start, len(s.tokens) - 3):
+                cache = EagleCache(heads.cfg.n_kv_heads, layer.head_dim, torch.device("cpu"))
+                emb, feats = heads.embed_tokens(tokens[None, 1 : last + 1]), s.features[None, :last].float()
+                pred = layer(emb, layer.true_features(feats), torch.arange(1, last + 1), cache)[0, -1]
+                for d in (1, 2, 3):
+                    torch.testing.assert_close(preds[d - 1][b, last + d - 2], pred, rtol=1e-4, atol=1e-4)
+                    slot = last + d  # the next draft slot reads its token and this prediction
+                    if slot == len(s.tokens):
+                        break
+                    emb = heads.embed_tokens(tokens[slot].view(1, 1))
+                    pred = layer(emb, pred.view(1, 1, -1), torch.tensor([slot]), cache)[0, -1]
+
+
+def test_corpus_features_are_a_direct_forward_s(tiny_engine, tiny_corpus):
+    """Teacher-forced over corpus rows, a few to a forward: the features are transformers' hidden_states at the fused
+    layers (in bf16); a greedy answer's labels are its tokens, a sampled one's the target's greedy choices."""
+    target = tiny_engine.cpu_target
+    rows = read_rows(tiny_corpus / "answers" / "answers_0000.jsonl.gz")
+    seqs = list(teacher_forced(target, rows, TINY_FUSE, batch_tokens=100))
+    assert len(seqs) == len(rows) and {s.is_answer for s in seqs} == {True, False}
+    for row, s in zip(rows, seqs):
+        assert s.tokens == row["prompt_ids"] + row["answer_ids"] and s.answer_start == len(row["prompt_ids"])
+        with torch.inference_mode():
+            out = target.model(torch.tensor([s.tokens[:-1]]), output_hidden_states=True)
+        direct = torch.cat([out.hidden_states[i][0] for i in TINY_FUSE], -1)
+        torch.testing.assert_close(s.features, direct.to(torch.bfloat16))
+        assert s.is_answer == (row["temperature"] == 0)
+        if s.is_answer:
+            assert s.labels == s.tokens[1:]
+        else:
+            assert s.labels == s.tokens[1 : s.answer_start] + out.logits[0, s.answer_start - 1 :].argmax(-1).tolist()
+    assert any(s.labels[s.answer_start - 1 :] != s.tokens[s.answer_start :] for s in seqs if not s.is_answer)
+
+
+def test_corpus_features_are_cached_per_shard_and_recipe(tiny_engine, tiny_corpus, tmp_path):
+    target = tiny_engine.cpu_target
+    shards = sorted((tiny_corpus / "answers").glob("answers_*.jsonl.gz"))
+    paths = corpus_dataset(target, "none", shards, tmp_path, TINY_FUSE)
+    assert len(paths) == 2 and len(read_sequences(paths)) == 48
+    first = paths[0].stat().st_mtime_ns
+    paths[1].unlink()  # stopped after the first shard: the run resumes with the second
+    assert corpus_dataset(target, "none", shards, tmp_path, TINY_FUSE) == paths
+    assert paths[0].stat().st_mtime_ns == first and paths[1].exists()
+    plain = corpus_dataset(target, "none", shards, tmp_path, ())
+    assert plain[0].parent != paths[0].parent
+    assert read_sequences(plain[:1])[0].features.shape[1] == target.model.config.hidden_size
+    remade = tmp_path / "remade" / "answers_0000.jsonl.gz"  # a remade answer shard is read anew
+    write_rows(remade, read_rows(shards[0])[:5])
+    again = corpus_dataset(target, "none", [remade], tmp_path, TINY_FUSE)
+    assert again[0] != paths[0] and len(read_sequences(again)) == 5
+
+
+@pytest.mark.parametrize("tiny_heads", ["eagle"], indirect=True)
+def test_a_heads_file_from_before_fused_layers_loads_and_drafts_the_same(tiny_engine, tiny_heads, tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path, val = tiny_heads
+    with safe_open(str(path), framework="pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    config = json.loads(meta["config"])
+    del config["fuse_layers"]
+    old = tmp_path / "old.safetensors"
+    save_file(tensors, str(old), metadata={**meta, "config": json.dumps(config)})
+    target = tiny_engine.cpu_target
+    heads, old_heads = (load_heads(p, target.model, target.name) for p in (path, old))
+    assert old_heads.cfg == heads.cfg and old_heads.cfg.fuse_layers == ()
+    s = val[0]
+    a, b = HeadsDrafter(heads), HeadsDrafter(old_heads)
+    for drafter in (a, b):
+        drafter.add_features(s.tokens[:-2], 0, s.features[: len(s.tokens) - 2])
+    ctx, greedy = s.tokens[:-1], SamplingParams()
+    assert torch.equal(a.propose(ctx, 3, greedy, None).tokens, b.propose(ctx, 3, greedy, None).tokens)
+
+
+def test_eagle3_layers_follow_the_target_s_depth():
+    assert eagle3_layers(28) == (2, 14, 25)  # Qwen2.5-1.5B
+    with pytest.raises(ValueError, match="need 8 decoder layers"):
+        eagle3_layers(2)
 
 
 def test_heads_without_features_propose_nothing(tiny_engine, tiny_heads):
@@ -161,10 +298,11 @@ def test_switching_drafters_in_a_session(tiny_engine, tiny_heads):
 
 
 def test_training_resumes_where_it_stopped(tiny_engine, tiny_data, tmp_path):
-    """A run stopped after some steps and resumed from its checkpoint ends with the weights of an unbroken run."""
+    """A run stopped after some steps and resumed from its checkpoint ends with the weights of an unbroken run; the
+    training-time test over 3 draft positions reports an accuracy for each."""
     target = tiny_engine.cpu_target  # train-heads runs on the CPU
     seqs = load_shards(tiny_data)
-    cfg = TrainConfig(kind="eagle", vocab=96, epochs=2, lr=3e-3, batch_sequences=8, checkpoint_every_s=0.0)
+    cfg = TrainConfig(kind="eagle", vocab=96, epochs=2, lr=3e-3, batch_sequences=8, checkpoint_every_s=0.0, ttt_steps=3)
     lm_weight = target.model.get_output_embeddings().weight
 
     def fresh() -> DraftHeads:
@@ -174,7 +312,7 @@ def test_training_resumes_where_it_stopped(tiny_engine, tiny_data, tmp_path):
         return heads
 
     unbroken = fresh()
-    train_heads(unbroken, seqs[:40], seqs[40:], cfg, tmp_path / "a.ckpt", print)
+    assert len(train_heads(unbroken, seqs[:40], seqs[40:], cfg, tmp_path / "a.ckpt", print)) == 3
 
     def stop_at_5(step: int, total: int, info: dict) -> None:
         if step == 5:
@@ -220,6 +358,27 @@ def test_train_heads_command_writes_heads_and_resumes(tiny_engine, tmp_path, cap
     assert "resumed from" in capsys.readouterr().err
     assert cli.main(argv[:-2] + ["--text-chars", "2400"]) == 2  # other text: not mixed into the old data
     assert "holds data made from other inputs" in capsys.readouterr().err
+
+
+def test_train_heads_from_the_corpus_with_fused_layers(tiny_engine, tiny_corpus, tmp_path, capsys):
+    out, work, report = tmp_path / "h.safetensors", tmp_path / "work", tmp_path / "r.json"
+    argv = ["train-heads", "--target", "tiny-random-target", "--target-quant", "none", "--dtype", "float32"]
+    argv += ["--kind", "eagle", "--vocab", "64", "--epochs", "1", "--work", str(work), "--out", str(out)]
+    corpus = ["--corpus", str(tiny_corpus), "--fuse-layers", "0,1,2", "--ttt-steps", "3", "--json", str(report)]
+    assert cli.main(argv + corpus) == 0
+    data = json.loads(report.read_text())
+    assert (data["corpus"], data["fuse_layers"], data["ttt_steps"]) == (str(tiny_corpus), [0, 1, 2], 3)
+    assert len(data["validation_top1_per_head"]) == 3 and len(data["held_out_replay_k4"]["acceptance_by_position"]) == 4
+    assert load_heads(out, tiny_engine.target.model, "tiny-random-target").cfg.fuse_layers == TINY_FUSE
+    features = sorted((work / "corpus").glob("*/answers_*.pt"))
+    times = [p.stat().st_mtime_ns for p in features]
+    assert len(features) == 2
+    assert cli.main(argv + corpus) == 0  # again: the features and the finished training are reused
+    assert [p.stat().st_mtime_ns for p in features] == times and "resumed from" in capsys.readouterr().err
+    assert cli.main(argv + ["--fuse-layers", "0,1,2"]) == 2
+    assert "--fuse-layers needs --corpus" in capsys.readouterr().err
+    assert cli.main(argv + ["--corpus", str(tiny_corpus), "--fuse-layers", "auto"]) == 2
+    assert "need 8 decoder layers" in capsys.readouterr().err
 
 
 def test_shipped_heads_fit_the_default_target():

@@ -103,6 +103,9 @@ def tool(name: str) -> str:
 # Draft heads for the tiny target (tests/specdec/test_heads.py, tests/specdec/test_distribution.py)
 
 WORDS = "the cat sat on a mat while dogs ran far away in cold rain and warm sun".split()
+# The tiny target's layers that fused ("eagle3") heads read: the embeddings, after its first layer, the final norm's
+# output (its 2 layers are too few for EAGLE-3's own choice)
+TINY_FUSE = (0, 1, 2)
 
 
 def tiny_prompts(target, n: int, seed: int = 0) -> list[list[int]]:
