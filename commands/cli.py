@@ -17,6 +17,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench-asr": ("commands.bench_asr", "ASR word error rate and latency over synthetic voices, per model and option"),
     "bench-load": ("commands.bench_load", "N concurrent conversations, batched: speculation off, K = 4 and load-aware"),
     "bench-layerskip": ("commands.bench_layerskip", "self-speculation: the target with layers skipped as its drafter"),
+    "corpus": ("commands.corpus", "the draft heads' training corpus, written and answered by the target (resumable)"),
     "train-heads": ("commands.train_heads", "train draft heads for a target on its own answers (resumable)"),
     "app": ("app.server", "start the browser app"),
     "bench-users": ("commands.bench_users", "N voice clients at once: answered, busy, lost and mixed turns, TTFA"),
