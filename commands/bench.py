@@ -60,6 +60,16 @@ def _entry(tokens: list[int], seconds: float) -> dict:
     return {"tokens": len(tokens), "seconds": seconds, "tokens_per_s": len(tokens) / seconds}
 
 
+def speculation_summary(runs: list[dict], total: SpecStats) -> dict:
+    """metrics.DEFINITIONS["speculative_step_fraction"] and ["speculation_off"] over one drafter's runs, one a prompt,
+    each with its "notes": what catches drafts switched off while acceptance and expected speedup still look good."""
+    off = [{"prompt": i, "notes": r["notes"]} for i, r in enumerate(runs) if r["notes"]]
+    return {
+        "speculative_step_fraction": total.speculative_steps / total.target_forwards if total.target_forwards else 0.0,
+        "speculation_off": {"answers": len(off), "of": len(runs), "notes": off},
+    }
+
+
 DRAFTER_SUMMARY_KEYS = (
     "speedup_median",
     "speculative_tokens_per_s_median",
@@ -70,6 +80,8 @@ DRAFTER_SUMMARY_KEYS = (
     "draft_cost_ratio",
     "mean_k",
     "per_category",
+    "speculative_step_fraction",
+    "speculation_off",
 )
 
 
@@ -83,7 +95,7 @@ def drafter_summary(results: list[dict], name: str, total: SpecStats, resident_b
         }
         for r in results
     ]
-    full = summarize(view, total)
+    full = {**summarize(view, total), **speculation_summary([r["speculative"] for r in view], total)}
     return {**{k: full[k] for k in DRAFTER_SUMMARY_KEYS}, "resident_bytes_added": resident_bytes_added}
 
 
@@ -132,12 +144,14 @@ def main(args: argparse.Namespace) -> int:
         runs = {}
         for name, e in engines.items():  # each drafter right after the same baseline, interleaved per prompt
             stats = SpecStats()
-            spec_tokens, spec_s = _timed(run_engine, e, prompt, spec_cfg, stats)
+            notes: list[str] = []  # why speculation changed state in this answer
+            spec_tokens, spec_s = _timed(run_engine, e, prompt, spec_cfg, stats, notes)
             totals[name].merge(stats)
             div = first_divergence(base, spec_tokens)
             runs[name] = {
                 **_entry(spec_tokens, spec_s),
                 **stats.as_dict(),
+                "notes": notes,
                 "identical_to_baseline": div is None,
                 "first_divergence": None if div is None else explain_divergence(target.model, prompt, base, div),
             }
@@ -171,7 +185,8 @@ def main(args: argparse.Namespace) -> int:
             f"[{i + 1}/{len(rows)}] {entry['category']:10s} base {base_rate:.2f} tok/s, "
             + ", ".join(
                 f"{name} {r['tokens_per_s']:.2f} tok/s ({r['tokens_per_s'] / base_rate:.2f}×, "
-                f"acc {r['draft_acceptance_rate']:.0%}, identical={r['identical_to_baseline']})"
+                f"acc {r['draft_acceptance_rate']:.0%}, {r['speculative_steps']}/{r['target_forwards']} forwards "
+                f"speculative, identical={r['identical_to_baseline']})"
                 for name, r in runs.items()
             )
             + (f", hf_assisted {entry['hf_assisted']['tokens_per_s']:.2f}" if "hf_assisted" in entry else "")
@@ -181,6 +196,14 @@ def main(args: argparse.Namespace) -> int:
         )
 
     summary = summarize(results, totals[spec.draft])
+    summary.update(speculation_summary([r["speculative"] for r in results], totals[spec.draft]))
+    off = summary["speculation_off"]
+    if off["answers"]:
+        summary["warnings"].append(
+            f"speculation stopped in {off['answers']} of {off['of']} answers (only "
+            f"{summary['speculative_step_fraction']:.0%} of target forwards were speculative steps): see "
+            "summary.speculation_off for why"
+        )
     summary["drafter_resident_bytes_added"] = added_bytes[spec.draft]
     if llama_runs:
         summary["llamacpp_isolation"] = ISOLATION

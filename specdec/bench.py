@@ -83,9 +83,17 @@ def hf_generate(target_model, prompt: list[int], n: int, eos: set[int], assistan
 
 
 def run_engine(
-    engine: SpeculativeEngine, prompt: list[int], config: GenerationConfig, stats: SpecStats | None = None
+    engine: SpeculativeEngine,
+    prompt: list[int],
+    config: GenerationConfig,
+    stats: SpecStats | None = None,
+    notes: list[str] | None = None,
 ) -> list[int]:
-    return collect(engine.stream(prompt, config, stats=stats))[0]
+    """One answer's tokens; notes, if given, gets the steps' notes (why speculation changed state)."""
+    tokens, events = collect(engine.stream(prompt, config, stats=stats))
+    if notes is not None:
+        notes += [e.note for e in events if e.note]
+    return tokens
 
 
 def _median_ratio(results: list[dict], num: str, den: str) -> float | None:

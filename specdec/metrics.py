@@ -11,9 +11,17 @@ if TYPE_CHECKING:
 DEFINITIONS: dict[str, str] = {
     "draft_acceptance_rate": "accepted draft tokens ÷ proposed draft tokens (vLLM's definition)",
     "tokens_per_target_forward": "tokens emitted ÷ target forward passes, every pass counted (plain steps, the "
-    "governor's probe and the prefill too), bonus/correction tokens included, tokens past EOS not",
+    "governor's probes and the prefill too), bonus/correction tokens included, tokens past EOS not",
     "mean_k": "draft tokens proposed ÷ speculative steps (target forwards that verified a drafter's proposal; a step "
     "whose drafter ran but proposed nothing, e.g. stopped by the confidence gate, counts as one)",
+    "speculative_step_fraction": "speculative steps ÷ target forwards, both counted as SpecStats counts them (every "
+    "forward: the prefill's, plain steps and the governor's probes too), pooled over a bench run's speculative "
+    "answers. Near 1 while drafts run on every step (the governor's probes, one to three an answer, take a little "
+    "off); far below, speculation was switched off or paused for much of the answers (speculation_off), which "
+    "draft_acceptance_rate, mean_k and expected_speedup do not show: they count only the steps that drafted",
+    "speculation_off": "bench: the answers whose speculation stopped before their end, with the StepEvent notes that "
+    "stopped it (the governor switching it off, with the rates it measured; a failing drafter; a pause by batch size): "
+    "answers, of how many, and per prompt its notes",
     "alpha": "per-token acceptance probability α (Leviathan et al.), estimated as accepted ÷ (accepted + "
     "rejections), the maximum-likelihood value when each draft token is accepted independently",
     "per_position_acceptance": "for draft position i, accepted ÷ proposed at that position",

@@ -1,7 +1,6 @@
 """The engine's controls on the tiny models: adaptive K, the governor that switches speculation off, drafter failures,
 cancel, limits and bad input; every path still lossless."""
 
-import dataclasses
 import threading
 
 import pytest
@@ -50,12 +49,35 @@ def test_governor_switches_off_when_measured_slower(step_event):
         gov.observe(step_event(1, 1, 1, draft_s=0.1, verify_s=0.4))  # 2 tokens: 4 tok/s with drafts
     assert gov.wants_probe and gov.off_reason == ""  # no target-only step measured yet: ask for one
     gov.observe(step_event(verify_s=0.2, speculative=False))  # 5 tok/s target-only
-    assert "switched off" in gov.off_reason and not gov.wants_probe
+    assert gov.off_reason == "" and not gov.wants_probe  # one plain step is no proof; the next probe comes later
+    for _ in range(2):
+        gov.observe(step_event(1, 1, 1, draft_s=0.1, verify_s=0.4))
+    assert gov.wants_probe
+    gov.observe(step_event(verify_s=0.2, speculative=False))
+    for _ in range(2):
+        gov.observe(step_event(1, 1, 1, draft_s=0.1, verify_s=0.4))
+    gov.observe(step_event(verify_s=0.2, speculative=False))  # the third plain step: slower, beyond doubt
+    assert "switched off" in gov.off_reason and "3 plain steps" in gov.off_reason and not gov.wants_probe
     fast = SpeculationGovernor(window=4, min_steps=3)
     for _ in range(6):
         fast.observe(step_event(3, 3, 3, draft_s=0.05, verify_s=0.2))
     fast.observe(step_event(verify_s=0.2, speculative=False))
-    assert fast.off_reason == "" and not fast.wants_probe
+    fast.observe(step_event(3, 3, 3, draft_s=0.05, verify_s=0.2))
+    fast.observe(step_event(3, 3, 3, draft_s=0.05, verify_s=0.2))
+    assert fast.off_reason == "" and not fast.wants_probe  # shown faster: no more probes
+
+
+def test_governor_is_not_switched_off_by_a_short_low_yield_stretch(step_event):
+    """Five speculative steps that emitted one token each, then one that emitted four: slower than the plain steps
+    (9 tokens in 3 s against 4 tok/s; the old governor switched off on the first plain step), but six steps do not
+    show a loss beyond doubt: the mean gain, −0.5 tokens a step, is within two standard errors (0.5) of zero."""
+    gov = SpeculationGovernor()
+    gov.observe(step_event(3, 3, 3, draft_s=0.1, verify_s=0.4))  # the prefill's step: not judged
+    for accepted in (0, 0, 0, 0, 0, 3):
+        gov.observe(step_event(accepted, 3, 3, draft_s=0.1, verify_s=0.4))
+    for _ in range(3):
+        gov.observe(step_event(verify_s=0.25, speculative=False))
+    assert gov.off_reason == ""
 
 
 def test_engine_reports_auto_off_and_stays_lossless(tiny_engine):
@@ -192,21 +214,3 @@ def test_a_draft_forward_that_proposes_nothing_is_still_a_speculative_step(tiny_
     assert stats.draft_forwards == sum(ev.k_chosen for ev in events)
     assert stats.target_forwards == 12 and stats.tokens_per_target_forward == 1.0 and stats.proposed == 0
     assert policy.seen[0] == (0, 0, 4)
-
-
-def test_governor_switches_off_a_drafter_that_only_costs_time(tiny_engine):
-    target = tiny_engine.target
-
-    class SlowSilentDrafter(NGramDrafter):
-        def propose(self, context, k, params, generator):
-            import time
-
-            time.sleep(0.02)
-            return dataclasses.replace(Proposal.of([], self.device), forwards=1)
-
-    engine = make_engine(target, lambda: SlowSilentDrafter(target.device))
-    engine.auto_off = True
-    ids = target.tokenizer.chat_ids([{"role": "user", "content": "hello"}])
-    tokens, events = collect(engine.stream(ids, GenerationConfig(40)))
-    assert tokens == target_only(target, ids, 40)
-    assert any("switched off" in ev.note for ev in events) and not events[-1].speculative
