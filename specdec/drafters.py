@@ -56,6 +56,7 @@ class Drafter(Protocol):
 
     kind: str  # "draft-model", "ngram", "heads": what the app's drafter menu and the reports call it
     reads_target_hidden: bool  # wants the target's last hidden states through observe()
+    target_layers: tuple[int, ...]  # which: hidden_states indices, side by side; (): the final norm's output
 
     def propose(
         self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
@@ -140,6 +141,7 @@ class DraftModelDrafter:
     ) -> None:
         self.kind = "draft-model"
         self.reads_target_hidden = False
+        self.target_layers: tuple[int, ...] = ()
         self.cache = runner.new_cache()
         self.keep_ids = keep_ids
         self.vocab_size = full_vocab or runner.model.config.vocab_size
@@ -185,6 +187,7 @@ class NGramDrafter:
     def __init__(self, device: torch.device | None = None, max_ngram: int = 4, min_ngram: int = 1) -> None:
         self.kind = "ngram"
         self.reads_target_hidden = False
+        self.target_layers: tuple[int, ...] = ()
         self.device = device or torch.device("cpu")
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
@@ -234,7 +237,7 @@ class OpeningEchoDrafter:
     def __init__(self, inner: Drafter, decode: Callable[[list[int]], str], device: torch.device) -> None:
         self.inner, self.device = inner, device
         self.kind = inner.kind
-        self.reads_target_hidden = inner.reads_target_hidden
+        self.reads_target_hidden, self.target_layers = inner.reads_target_hidden, inner.target_layers
         self._decode = decode
         self._keys: dict[int, str] = {}
         self._prompt_len: int | None = None  # None: no answer started, so no opening to echo

@@ -13,7 +13,6 @@ import torch
 from . import compute
 from .drafters import Drafter, NGramDrafter, Proposal
 from .events import StepEvent
-from .heads_drafter import target_layers
 from .kpolicy import KPolicy, SpeculationGovernor
 from .kv import Feed, SequenceCache
 from .metrics import SpecStats
@@ -57,7 +56,7 @@ class EngineSession:
         if reads_hidden and not self.target.keep_hidden:
             self.target.reset()  # its features start with the next forward, so that forward must see everything
         self.target.keep_hidden = reads_hidden
-        self.target.keep_layers = target_layers(drafter) if reads_hidden else ()
+        self.target.keep_layers = drafter.target_layers if drafter is not None and reads_hidden else ()
         self.drafter = drafter
 
     def use_drafter(self, kind: str) -> None:

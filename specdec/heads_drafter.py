@@ -113,9 +113,3 @@ class HeadsDrafter:
                 pred = layer(heads.embed_tokens(token.view(1, 1)), pred.view(1, 1, -1), pos, cache)[0, -1]
         cache.length = len(self.slot_tokens)  # the draft slots go: they read predicted features
         return Proposal.gated(drafts, tops, probs, self.min_prob, forwards=k)
-
-
-def target_layers(drafter: object) -> tuple[int, ...]:
-    """The target layers a drafter reads (HeadsDrafter.target_layers; () for the final norm's output), also through
-    a drafter that wraps it as `inner` (drafters.OpeningEchoDrafter)."""
-    return getattr(getattr(drafter, "inner", drafter), "target_layers", ())

@@ -393,7 +393,7 @@ class OpeningMisser:
     """Knows each prompt's greedy answer: proposes wrong tokens for its first OPENING_STEPS tokens, right ones after
     (the shipped heads' pattern, at its extreme)."""
 
-    kind, reads_target_hidden = "ngram", False
+    kind, reads_target_hidden, target_layers = "ngram", False, ()
 
     def __init__(self, answers: dict[tuple[int, ...], list[int]], device: torch.device) -> None:
         self.answers, self.device = answers, device
