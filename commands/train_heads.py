@@ -39,6 +39,7 @@ from specdec.heads_data import (
 from specdec.heads_file import default_heads_path, save_heads
 from specdec.heads_model import HEAD_KINDS
 from specdec.heads_train import (
+    VOCAB_SIZES,
     TrainConfig,
     eagle3_layers,
     fit_heads,
@@ -46,6 +47,8 @@ from specdec.heads_train import (
     fmt_accs,
     heads_config,
     simulated_acceptance,
+    split,
+    vocab_coverage,
 )
 from specdec.models import LoadedModel, asset_path, cache_dir, load_model, log
 from specdec.quant import TARGET_QUANTS
@@ -202,6 +205,9 @@ def main(args: argparse.Namespace) -> int:
         "held_out_answers": len(val),
         "validation_top1_per_head": accs,
         "held_out_replay_k4": replay,
+        "held_out_vocab_coverage": vocab_coverage(
+            split(seqs, cfg.val_fraction, cfg.seed)[0], val, VOCAB_SIZES, target.tokenizer.eos_token_ids
+        ),
         "seconds": {"data": round(data_s, 1), "total": round(time.perf_counter() - started, 1)},
     }
     save_heads(heads, out, extra=report)

@@ -49,6 +49,20 @@ def choose_vocab(seqs: list[Sequence], size: int, eos: set[int]) -> torch.Tensor
     return torch.tensor(sorted(ids)[: max(size, len(eos))])
 
 
+VOCAB_SIZES = (8192, 16384, 32768)  # the draft vocabularies whose coverage train-heads reports (FR-Spec's sizes)
+
+
+def vocab_coverage(train: list[Sequence], held: list[Sequence], sizes: tuple[int, ...], eos: set[int]) -> dict:
+    """For each draft vocabulary size, the share of the held-out answers' tokens (the target's choices) that the
+    vocabulary chosen on the training answers contains: a token outside it can never be drafted."""
+    wanted = [t for s in held for t in s.labels[s.answer_start - 1 :]]
+    out = {}
+    for size in sizes:
+        vocab = set(choose_vocab(train, size, eos).tolist())
+        out[size] = sum(t in vocab for t in wanted) / max(len(wanted), 1)
+    return out
+
+
 def split(seqs: list[Sequence], val_fraction: float, seed: int) -> tuple[list[Sequence], list[Sequence]]:
     """(training, held out): a fraction of the answers is held out; text passages all train."""
     answers = [s for s in seqs if s.is_answer]
@@ -392,9 +406,11 @@ def fit_heads(
             f"read {heads.cfg.feature_width}: make the data with the same fuse_layers"
         )
     heads.attach(target.model.get_input_embeddings(), lm_weight)
+    coverage = vocab_coverage(train, val, VOCAB_SIZES, target.tokenizer.eos_token_ids)
     log(
         f"{len(train)} training and {len(val)} held-out answers ({sum(len(s.tokens) for s in train)} tokens); "
-        f"draft vocabulary {len(vocab_ids)}"
+        f"draft vocabulary {len(vocab_ids)}; held-out tokens it would cover by size: "
+        + ", ".join(f"{n}: {c:.1%}" for n, c in coverage.items())
     )
     accs = train_heads(heads, train, val, cfg, checkpoint, log, progress)
     return heads.eval(), accs, val

@@ -22,6 +22,7 @@ from specdec.models import build_tiny_random
 from specdec.runner import BatchRunner
 from specdec.sampling import SamplingParams, logits_to_probs
 from tests.support.engine import heads_engine
+from tests.support.stats import chi2_pvalue
 
 pytestmark = pytest.mark.slow
 
@@ -91,26 +92,6 @@ def sample_pairs(engine: SpeculativeEngine, ids: list[int], n: int, session: Eng
         tokens = collect(engine.stream(ids, GenerationConfig(4, PARAMS, seed=seed), session=session))[0]
         pairs[(tokens[0], tokens[1] if len(tokens) > 1 else None)] += 1
     return pairs
-
-
-def chi2_pvalue(observed: Counter, exact: dict[tuple, float]) -> float:
-    """Pearson χ² over the cells expected ≥ 5 times, the rest pooled in one bin; 0 if an impossible pair came."""
-    n = sum(observed.values())
-    if any(cell not in exact for cell in observed):
-        return 0.0
-    cells = sorted(exact, key=exact.get, reverse=True)
-    big = [c for c in cells if n * exact[c] >= 5]
-    obs = [observed[c] for c in big]
-    exp = [n * exact[c] for c in big]
-    rest_exp = n - sum(exp)
-    if rest_exp >= 5:
-        obs.append(n - sum(obs))
-        exp.append(rest_exp)
-    else:  # too little left to stand alone: fold it into the last bin
-        obs[-1] += n - sum(obs)
-        exp[-1] += rest_exp
-    stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp))
-    return float(scipy_stats.chi2.sf(stat, len(obs) - 1))
 
 
 @torch.inference_mode()

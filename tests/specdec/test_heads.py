@@ -440,3 +440,15 @@ def test_calibrate_times_the_heads(tiny_engine, tiny_heads, tmp_path):
     assert [row["drafted"] for row in data["per_k"]] == [2, most]
     for row in data["per_k"]:
         assert row["draft_s"] > 0 and row["predicted_speedup"] > 0 and row["measured_speedup"] > 0
+
+
+def test_vocab_coverage_counts_the_held_out_choices_a_vocabulary_holds():
+    from specdec.heads_data import Sequence as Seq
+    from specdec.heads_train import vocab_coverage
+
+    def seq(labels: list[int]) -> Seq:
+        return Seq([0, *labels], 1, torch.zeros(len(labels), 2), labels)
+
+    train = [seq([5, 5, 5, 6, 6, 7])]
+    held = [seq([5, 6, 7, 8])]
+    assert vocab_coverage(train, held, (1, 2, 3), eos={9}) == {1: 0.25, 2: 0.5, 3: 0.75}

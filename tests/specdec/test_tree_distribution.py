@@ -16,11 +16,11 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from scipy import stats as scipy_stats
 
 from specdec import sampling
 from specdec.sampling import multi_candidate_verdict
 from specdec.tree import ROOT, DraftTree, build_tree, draw_tree
+from tests.support.stats import chi2_pvalue
 
 pytestmark = pytest.mark.slow
 
@@ -131,26 +131,6 @@ def first_pairs(toys: list[Toy], makes: list[MakeTree], n: int, seed: int) -> li
         for counter, tokens in zip(pairs, out):
             counter[tokens[0], tokens[1]] += 1
     return pairs
-
-
-def chi2_pvalue(observed: Counter, exact: dict) -> float:
-    """Pearson χ² over the cells expected ≥ 5 times, the rest pooled in one bin; 0 if an impossible cell came."""
-    n = sum(observed.values())
-    if any(cell not in exact for cell in observed):
-        return 0.0
-    cells = sorted(exact, key=exact.get, reverse=True)
-    big = [c for c in cells if n * exact[c] >= 5]
-    obs = [observed[c] for c in big]
-    exp = [n * exact[c] for c in big]
-    rest = n - sum(exp)
-    if rest >= 5:
-        obs.append(n - sum(obs))
-        exp.append(rest)
-    else:  # too little left to stand alone: fold it into the last bin
-        obs[-1] += n - sum(obs)
-        exp[-1] += rest
-    stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp))
-    return float(scipy_stats.chi2.sf(stat, len(obs) - 1))
 
 
 def pvalues(toy: Toy, pairs: Counter) -> tuple[float, float]:
