@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from pipeline.llm import SYSTEM_PROMPT
 from pipeline.options import positive_int
+from specdec import compute
 from specdec.bench import read_prompts
 from specdec.build import DTYPES, EngineSpec, quantize_target
 from specdec.heads_data import (
@@ -183,7 +184,9 @@ def main(args: argparse.Namespace) -> int:
         kind=args.kind, vocab=args.vocab, epochs=args.epochs, lr=args.lr, ttt_steps=args.ttt_steps, fuse_layers=fuse
     )
     heads_config(cfg.kind, target.model.config, target.name, fuse)  # a bad --fuse-layers fails now, not after the data
+    compute.release_workers()  # the corpus's prefill runs on the compute thread: this thread's pool must not slow it
     seqs, checkpoint = training_data(args, target, work, cfg)
+    compute.run(compute.release_workers)  # and training runs here: the compute thread's pool goes in turn
     data_s = time.perf_counter() - started
     with tqdm(total=1, desc=f"training {cfg.kind}", unit="step", file=sys.stderr) as bar:
 
