@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from commands.train_heads import advance
 from pipeline.llm import SYSTEM_PROMPT
 from pipeline.options import positive_int
 from specdec import compute
@@ -110,14 +111,6 @@ def best_width(folder: Path, asked: int) -> int:
     return int(json.loads(path.read_text())["best_width"])
 
 
-def bar_progress(bar: tqdm):
-    def update(done: int, total: int) -> None:
-        bar.total, bar.n = total, done
-        bar.refresh()
-
-    return update
-
-
 def main(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -178,7 +171,7 @@ def run_stage(args: argparse.Namespace, target: LoadedModel) -> int:
         ]
         keys = keys[: args.shards] if args.shards else keys
         with tqdm(total=len(keys), desc="writing requests", unit="shard", file=sys.stderr) as bar:
-            paths = run_shards(written_dir, "written", keys, write_shard, bar_progress(bar))
+            paths = run_shards(written_dir, "written", keys, write_shard, advance(bar))
         written = [r for p in paths for r in read_rows(p)]
         kept, counts = select_requests(shipped, written, benchmark_texts(args.exclude))
         (folder / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
@@ -197,7 +190,7 @@ def run_stage(args: argparse.Namespace, target: LoadedModel) -> int:
         return answer_shard(runner, tok, requests, recipe, SYSTEM_PROMPT, i, width)
 
     with tqdm(total=n, desc="answering", unit="shard", file=sys.stderr) as bar:
-        paths = run_shards(answers_dir, "answers", keys[:n], make, bar_progress(bar))
+        paths = run_shards(answers_dir, "answers", keys[:n], make, advance(bar))
     positions = sum(len(r["answer_ids"]) for p in paths for r in read_rows(p))
     log(f"{len(paths)} answer shards, {positions} answer positions in {answers_dir}")
     return 0

@@ -27,10 +27,10 @@ from pipeline.options import positive_int
 from specdec import compute
 from specdec.bench import read_prompts
 from specdec.build import DTYPES, EngineSpec, quantize_target
+from specdec.corpus import digest
 from specdec.heads_data import (
     Sequence,
     corpus_dataset,
-    fingerprint,
     load_shards,
     make_dataset,
     make_text_dataset,
@@ -140,7 +140,7 @@ def training_data(
         with tqdm(total=len(shards), desc="reading the corpus", unit="shard", file=sys.stderr) as bar:
             paths = corpus_dataset(target, args.target_quant, shards, work, fuse, progress=advance(bar))
         # A checkpoint per set of feature shards: training on more of the corpus starts over.
-        return read_sequences(paths), paths[0].parent / f"{kind}-{fingerprint([p.name for p in paths])[:12]}.ckpt"
+        return read_sequences(paths), paths[0].parent / f"{kind}-{digest([p.name for p in paths])}.ckpt"
     if fuse:
         raise ValueError("--fuse-layers needs --corpus: the prompts' answers keep the final norm's output only")
     with tqdm(total=1, desc="answering", unit="batch", file=sys.stderr) as bar:

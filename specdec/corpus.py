@@ -102,10 +102,10 @@ def read_rows(path: Path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def check_recipe(path: Path, recipe: dict) -> None:
+def check_recipe(path: Path, recipe: dict, hint: str = "use another folder") -> None:
     """Shards are valid only for what they were made from: refuse to mix them with another recipe."""
     if path.exists() and json.loads(path.read_text()) != recipe:
-        raise ValueError(f"{path.parent} holds shards made from another recipe ({path}): use another folder")
+        raise ValueError(f"{path.parent} holds data made from other inputs (another recipe, {path.name}): {hint}")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(recipe, indent=1) + "\n")
 
@@ -129,9 +129,14 @@ def run_shards(
     return paths
 
 
+def fingerprint(obj: object) -> str:
+    """A stable fingerprint of JSON-able inputs."""
+    return hashlib.sha256(json.dumps(obj).encode()).hexdigest()
+
+
 def digest(obj: object) -> str:
-    """A short, stable fingerprint of JSON-able inputs."""
-    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:12]
+    """A short fingerprint, for file names."""
+    return fingerprint(obj)[:12]
 
 
 # --- requests the target writes (self-instruct) ---------------------------------------------------------------------

@@ -9,7 +9,6 @@ Written in shards, one per batch of prompts (or per corpus shard), so a stopped 
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -18,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .corpus import read_rows
+from .corpus import check_recipe, digest, fingerprint, read_rows
 from .kv import Feed
 from .models import LoadedModel
 from .runner import BatchRunner
@@ -72,15 +71,7 @@ def _save_shard(rows: list[dict], path: Path) -> None:
 
 
 def _check_recipe(path: Path, recipe: dict) -> None:
-    """Shards are only valid for what they were made from: refuse to mix them with other inputs."""
-    if path.exists() and json.loads(path.read_text()) != recipe:
-        raise ValueError(f"{path.parent.parent} holds data made from other inputs: use another --work or delete it")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(recipe))
-
-
-def fingerprint(obj: object) -> str:
-    return hashlib.sha256(json.dumps(obj).encode()).hexdigest()
+    check_recipe(path, recipe, hint="use another --work or delete it")
 
 
 def _final_norm(model: PreTrainedModel) -> torch.nn.Module:
@@ -253,7 +244,7 @@ def corpus_dataset(
     run resumes at the first missing one and a remade answer shard is read anew. Returns the feature shards' paths
     (read_sequences reads them)."""
     recipe = {"target": target.name, "quant": quant, "dtype": str(target.dtype), "fuse_layers": list(fuse_layers)}
-    folder = work / "corpus" / fingerprint(recipe)[:12]
+    folder = work / "corpus" / digest(recipe)
     _check_recipe(folder / "recipe.json", recipe)
     paths = []
     for i, shard in enumerate(shards):
