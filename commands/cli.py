@@ -14,6 +14,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "calibrate": ("commands.calibrate", "measure forward costs and acceptance, fit the latency model"),
     "say": ("commands.say", "one voice turn from a WAV recording"),
     "bench-voice": ("commands.bench_voice", "paired speculation off/on TTFA over many recordings"),
+    "bench-turn": ("commands.bench_turn", "does each turn end where its speaker ended it (pauses, finished questions)"),
     "bench-asr": ("commands.bench_asr", "ASR word error rate and latency over synthetic voices, per model and option"),
     "bench-load": ("commands.bench_load", "N concurrent conversations, batched: speculation off, K = 4 and load-aware"),
     "bench-layerskip": ("commands.bench_layerskip", "self-speculation: the target with layers skipped as its drafter"),

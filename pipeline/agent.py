@@ -19,6 +19,7 @@ from .listener import Notify, StartEarly, TurnListener
 from .llm import LLMStage, ReplyStats
 from .llm_provider import LLM_WARMUP_STEPS, LLMConfig, LLMProvider, provider_from_config
 from .preemptive import ChildCancel, Hold
+from .smart_turn import SmartTurn, load_smart_turn
 from .timeline import Timeline
 from .tts import TTS, make_tts
 from .turn_end import TurnEnd
@@ -154,6 +155,10 @@ class VoiceAgent:
         self.llm = llm or provider_from_config(config)
         self.transcriber = transcriber or make_transcriber(config)
         self.tts = tts or make_tts(config.tts, config.engine.device)
+        self.smart_turn: SmartTurn | None = None
+        self.turn_end_status = f"end of turn: {config.turn_end.describe()}"
+        if config.turn_end.mode == "smart":  # a failed load falls back to the words rule, said in the status
+            self.smart_turn, self.turn_end_status = load_smart_turn()
 
     def new_conversation(self) -> Conversation:
         return Conversation(self)
@@ -167,6 +172,8 @@ class VoiceAgent:
         LLM's own) before anyone waits; progress(i) as WARMUP_STEPS[i] starts."""
         progress(0)
         EndOfTurnDetector().feed(np.zeros(SAMPLE_RATE, np.float32), 0.0)
+        if self.smart_turn is not None:
+            self.smart_turn.probability(np.zeros(SAMPLE_RATE, np.float32))
         progress(1)
         self.transcriber.warmup()
         progress(2)
@@ -202,6 +209,8 @@ class VoiceAgent:
             notify=notify,
             capacity=capacity,
             wake=wake,
+            smart_turn=self.smart_turn,
+            target_reads_words=c.llm_url is None,
         )
 
     def turn_from_recording(
@@ -296,7 +305,10 @@ class VoiceAgent:
         def produce() -> None:
             chunker = SpeechChunker(self.config.first_chunk_words)
             try:
-                for delta in conv.llm.stream_reply(self.messages(conv, transcript), speculation, stats, cancel):
+                messages = self.messages(conv, transcript)
+                for delta in conv.llm.stream_reply(messages, speculation, stats, cancel, end_probe=hold is not None):
+                    if hold is not None and delta.end_of_message_probability is not None:
+                        hold.end_of_message_probability = delta.end_of_message_probability
                     timeline.mark("llm_first_token", delta.t)
                     answer.append(delta.text)
                     emit(

@@ -232,6 +232,7 @@ class StreamingTranscriber:
         self._wanted = 0  # samples the speaker paused after: a partial must hear them now, not at the next interval
         self._closed = False
         self.passes_skipped = 0  # partial passes that found every slot taken
+        self.last_pass_s: float | None = None  # how long the latest pass took (seconds)
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="asr-partial", daemon=True)
         self._thread.start()
@@ -246,6 +247,12 @@ class StreamingTranscriber:
         """The latest partial transcript if it heard at least the first `samples` samples fed, else None."""
         with self._cond:
             return self._partial if self._partial_n >= samples else None
+
+    def audio(self, samples: int) -> np.ndarray:
+        """The first `samples` samples fed (fewer if fewer were)."""
+        with self._cond:
+            audio, _ = self._snapshot()
+        return audio[:samples]
 
     def feed(self, audio_chunk: np.ndarray) -> None:
         chunk = np.asarray(audio_chunk, dtype=np.float32).reshape(-1)
@@ -291,6 +298,7 @@ class StreamingTranscriber:
             text: str | None = None
             try:
                 text = self._transcriber.transcribe(audio)
+                self.last_pass_s = time.monotonic() - last_start
             finally:  # publish text and idleness together, and wake finish() even if the call raised
                 self._capacity.release()
                 with self._cond:

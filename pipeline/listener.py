@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -13,9 +13,10 @@ from .asr import StreamingTranscriber, Transcriber
 from .audio import SAMPLE_RATE, AudioError
 from .capacity import Capacity
 from .preemptive import Hold
+from .smart_turn import SmartTurn
 from .timeline import Timeline
-from .turn_end import TurnEnd
-from .vad import EndOfTurnDetector, VadEvent
+from .turn_end import PauseSignals, TurnEnd, Wait, unclosed
+from .vad import FRAME_S, EndOfTurnDetector, VadEvent
 
 # start_early(words, timeline, hold): answer words now, holding everything until the hold is confirmed
 StartEarly = Callable[[str, Timeline, Hold], None]
@@ -23,8 +24,6 @@ StartEarly = Callable[[str, Timeline, Hold], None]
 Prefill = Callable[[str], None]
 # notify(message): {"type": "early", "event": "started" | "kept" | "discarded", "text": ...}
 Notify = Callable[[dict], None]
-# What Whisper closes a partial transcript with, though the speaker may go on: "What is the boiling point?"
-_CLOSING = ".?!,;:…-— "
 # Silero's last voiced frame ends ~0.1 s after the audible end, so a pass that heard all but the last 0.1 s of the
 # speech has almost always heard every word: the same transcript as a pass of all of it in 34 of 36 recordings
 # (the assets' three sets), 35 at 64 ms. An early answer starts on it while the pass of all of it runs.
@@ -35,7 +34,7 @@ def words_to_prefill(partial: str) -> str:
     """The words of a partial transcript worth prefilling: all of them, without its closing punctuation. The last
     word may still change (a word cut by the snapshot); the answer's prefill then recomputes from where the tokens
     differ, and the words before it stay cached."""
-    return partial.strip().rstrip(_CLOSING)
+    return unclosed(partial)
 
 
 @dataclass
@@ -63,9 +62,18 @@ class TurnListener:
         notify: Notify | None = None,
         capacity: Capacity | None = None,
         wake: Callable[[], None] | None = None,
+        smart_turn: SmartTurn | None = None,
+        target_reads_words: bool = True,
     ) -> None:
         self.turn_end = turn_end
-        self.vad = EndOfTurnDetector(hangover_ms=turn_end.hangover_ms(None))
+        self.smart_turn = smart_turn  # None: the words rule alone (mode "words", or the model did not load)
+        # an early answer's first forward gives the target's P(end of message) (not a remote LLM's)
+        self.target_reads_words = target_reads_words and start_early is not None
+        self._pause = PauseSignals()  # what is known of the current pause
+        self._wait = self._decide()
+        self.pauses: list[dict] = []  # each pause of the turn: its signals, the wait chosen and why (Timeline.pauses)
+        self._pause_costs: dict[str, float] = {}
+        self.vad = EndOfTurnDetector(hangover_ms=self._wait.ms)
         # A whisper call costs ~0.15 s here (10 s window). Partials every second leave the ASR thread idle most of
         # the time, so the call started when the speaker pauses can begin at once.
         # wake: called on the ASR thread after each pass, so the owner can poll() between audio frames.
@@ -75,6 +83,7 @@ class TurnListener:
         self._pause_heard_all = False  # _pause_words come from a pass that heard all of the speech before the pause
         self._prefilled = ""
         self._early: tuple[Hold, Timeline] | None = None
+        self._paused_at: float | None = None  # stream time of the current pause's last voiced audio
         self._discarded = 0
 
     def feed(self, chunk16k: np.ndarray, t_start: float) -> VadEvent | None:
@@ -86,15 +95,61 @@ class TurnListener:
                 return ev
         if not self.vad.paused:
             if was_paused:  # the speaker went on: what was started on the words before the pause is not the turn
+                resumed_t = self.vad.last_voiced[0] - FRAME_S  # the start of the frame that was voiced again
+                self._close_pause(max(0.0, resumed_t - (self._paused_at or resumed_t)))
                 self._pause_words, self._pause_heard_all = None, False
-                self.vad.hangover_s = self.turn_end.hangover_ms(None) / 1000
+                self._pause, self._pause_costs = PauseSignals(), {}
+                self._apply()
                 self._discard_early()
             self._prefill_words()
             return None
         if not was_paused:
+            self._paused_at = self.vad.last_voiced[0]
             self.asr.speech_paused(self.vad.last_voiced[1])
+            self._score_audio()
         self.poll()
         return None
+
+    def _decide(self) -> Wait:
+        return self.turn_end.decide(self._pause, self.smart_turn is not None, self.target_reads_words)
+
+    def _apply(self) -> None:
+        """Set the silence that ends the turn from what is known of the pause now."""
+        self._wait = self._decide()
+        self.vad.hangover_s = self._wait.ms / 1000
+
+    def _learn(self, **signal: str | float) -> None:
+        """A signal of the pause is in: note when (ms after its last voiced audio, for bench-turn's replay of the
+        decision) and decide again."""
+        (name,) = signal
+        self._pause_costs[f"{name}_at_ms"] = (time.perf_counter() - self.vad.last_voiced[0]) * 1000
+        self._pause = replace(self._pause, **signal)
+        self._apply()
+
+    def _score_audio(self) -> None:
+        """Smart Turn on the turn's audio up to the pause's last voiced sample; its cost is kept beside the ASR's."""
+        if self.smart_turn is None or self.turn_end.mode != "smart":
+            return
+        t0 = time.perf_counter()
+        p = self.smart_turn.probability(self.asr.audio(self.vad.last_voiced[1]))
+        self._pause_costs["smart_turn_ms"] = (time.perf_counter() - t0) * 1000
+        self._learn(end_of_turn_probability=p)
+
+    def _close_pause(self, silence_s: float | None) -> None:
+        """Record the pause that ends now: the speaker went on after silence_s, or (None) it ended the turn."""
+        record = {
+            "words": self._pause.words,
+            "end_of_turn_probability": self._pause.end_of_turn_probability,
+            "end_of_message_probability": self._pause.end_of_message_probability,
+            "wait_ms": self._wait.ms,
+            "why": self._wait.why,
+            "silence_ms": None if silence_s is None else silence_s * 1000,
+            "ended_turn": silence_s is None,
+            **self._pause_costs,
+        }
+        if self.asr.last_pass_s is not None:
+            record["asr_pass_ms"] = self.asr.last_pass_s * 1000
+        self.pauses.append(record)
 
     def poll(self) -> None:
         """During a pause, once the words up to it are transcribed: set the silence that ends the turn and start the
@@ -102,7 +157,10 @@ class TurnListener:
         32 ms, sooner). A pass that heard all but the last NEAR_S of the speech starts the answer too, without
         waiting for the pass of all of it; if that one hears other words, the answer is discarded and started again
         on them."""
-        if not self.vad.paused or self._pause_heard_all:
+        if not self.vad.paused:
+            return
+        self._read_end_probability()
+        if self._pause_heard_all:
             return
         last = self.vad.last_voiced[1]
         words = self.asr.covering(last)
@@ -110,7 +168,7 @@ class TurnListener:
             self._pause_heard_all = True
             # Only words heard to the end set the silence: a pass short of the last word could make unfinished words
             # look finished ("What is the capital?" for "… the capital of") and end the turn on the speaker.
-            self.vad.hangover_s = self.turn_end.hangover_ms(words) / 1000
+            self._learn(words=words)
         else:
             words = self.asr.covering(max(1, last - int(NEAR_S * SAMPLE_RATE)))
         if words is None or words == self._pause_words:
@@ -118,6 +176,14 @@ class TurnListener:
         self._discard_early()  # started on a pass that missed the last words, and they changed the transcript
         self._pause_words = words
         self._start_early(words)
+
+    def _read_end_probability(self) -> None:
+        """The target's P(end of message), once the early answer on the pause's whole words has read it."""
+        if self._early is None or self._pause.end_of_message_probability is not None or self._pause.words is None:
+            return
+        hold = self._early[0]
+        if hold.end_of_message_probability is not None and hold.words == self._pause.words.strip():
+            self._learn(end_of_message_probability=hold.end_of_message_probability)
 
     def _prefill_words(self) -> None:
         if self.prefill is None:
@@ -175,7 +241,9 @@ class TurnListener:
         timeline.mark("speech_end", end.last_voiced_t)
         timeline.mark("end_of_turn", end.decided_t)
         timeline.mark("asr_final", time.perf_counter())
-        if self.turn_end.mode == "words":
+        self._close_pause(None)
+        timeline.pauses = self.pauses
+        if self.turn_end.mode != "silence":
             timeline.silence_rule_ms = self.turn_end.silence_ms
         timeline.early_discarded = self._discarded
         if not text:

@@ -9,11 +9,16 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from specdec.build import k_policy_factory
-from specdec.engine import EngineSession, GenerationConfig, PromptError, SpeculativeEngine
+from specdec.engine import EndProbe, EngineSession, GenerationConfig, PromptError, SpeculativeEngine
 from specdec.metrics import SpecStats
 from specdec.sampling import SamplingParams
 from specdec.scheduler import BatchScheduler
 from specdec.tokenizer import IncrementalDecoder, common_prefix_length
+
+from .turn_end import unclosed
+
+# What may come right after a finished message's words, before its end token: Whisper's closing punctuation
+_CLOSERS = (".", "?", "!")
 
 SYSTEM_PROMPT = (
     "You are a friendly voice assistant. Answer in one to three short spoken sentences, plain words, "
@@ -33,6 +38,7 @@ class LLMDelta:
     pieces: list[tuple[str, bool | None]] = field(default_factory=list)  # per token: (text, from an accepted draft)
     batch_size: int = 1  # metrics.DEFINITIONS["batch_size"], of this step's target forward
     k_chosen: int = 0  # metrics.DEFINITIONS["k_chosen"]
+    end_of_message_probability: float | None = None  # metrics.DEFINITIONS; an early answer's first delta
 
 
 @dataclass
@@ -72,7 +78,11 @@ class LLMStage(Protocol):
         speculation: bool,
         stats: ReplyStats,
         cancel: threading.Event | None = None,
-    ) -> Iterator[LLMDelta]: ...
+        end_probe: bool = False,
+    ) -> Iterator[LLMDelta]:
+        """The reply, delta by delta. end_probe: an answer started at a pause; its first delta carries
+        end_of_message_probability where the stage can read it (None elsewhere)."""
+        ...
 
 
 class EngineLLM:
@@ -168,13 +178,55 @@ class EngineLLM:
             return
         fitted, _ = self._fit(messages)  # the history the answer keeps, as far as the words so far tell
         head, words = fitted[:-1], fitted[-1]["content"]
-        tails = (" a", " zz")  # the next word starts with a space: the words' own tokens are the shared ones
-        with_words = [self.tokenizer.chat_ids([*head, {"role": "user", "content": words + tail}]) for tail in tails]
-        ids = with_words[0][: common_prefix_length(*with_words)]
+        ids = self._through_words(head, words)
         start = self._words_start(head)
         if start < len(ids) <= self.prompt_room:
             self.session.prefill(ids)
             self._spoken_prefix = (ids, start)
+
+    def _through_words(self, head: list[dict[str, str]], words: str) -> list[int]:
+        """The chat prompt's tokens up to the end of a user message's words after `head`: what every message starting
+        with these words shares."""
+        tails = (" a", " zz")  # the next word starts with a space: the words' own tokens are the shared ones
+        with_words = [self.tokenizer.chat_ids([*head, {"role": "user", "content": words + tail}]) for tail in tails]
+        return with_words[0][: common_prefix_length(*with_words)]
+
+    def _end_probe(self, messages: list[dict[str, str]], prompt: list[int]) -> EndProbe | None:
+        """Where the prompt's last message's words end (without closing punctuation) and the tokens that would end
+        the message there: its end token in the chat template, or . ? ! (each when a token of its own)."""
+        fitted, _ = self._fit(messages)
+        head, words = fitted[:-1], unclosed(fitted[-1]["content"])
+        if not words:
+            return None
+        ids = self._through_words(head, words)
+        alone = self.tokenizer.chat_ids([*head, {"role": "user", "content": words}])
+        if prompt[: len(ids)] != ids or len(alone) <= len(ids) or len(ids) <= self._words_start(head):
+            return None
+        closers = [self.tokenizer.encode(c) for c in _CLOSERS]
+        end_ids = {alone[len(ids)]} | {c[0] for c in closers if len(c) == 1}
+        return EndProbe(len(ids), tuple(sorted(end_ids)))
+
+    def _through_words(self, head: list[dict[str, str]], words: str) -> list[int]:
+        """The chat prompt's tokens up to the end of a user message's words after `head`: what every message starting
+        with these words shares."""
+        tails = (" a", " zz")  # the next word starts with a space: the words' own tokens are the shared ones
+        with_words = [self.tokenizer.chat_ids([*head, {"role": "user", "content": words + tail}]) for tail in tails]
+        return with_words[0][: common_prefix_length(*with_words)]
+
+    def _end_probe(self, messages: list[dict[str, str]], prompt: list[int]) -> EndProbe | None:
+        """Where the prompt's last message's words end (without closing punctuation) and the tokens that would end
+        the message there: its end token in the chat template, or . ? ! (each when a token of its own)."""
+        fitted, _ = self._fit(messages)
+        head, words = fitted[:-1], unclosed(fitted[-1]["content"])
+        if not words:
+            return None
+        ids = self._through_words(head, words)
+        alone = self.tokenizer.chat_ids([*head, {"role": "user", "content": words}])
+        if prompt[: len(ids)] != ids or len(alone) <= len(ids) or len(ids) <= self._words_start(head):
+            return None
+        closers = [self.tokenizer.encode(c) for c in _CLOSERS]
+        end_ids = {alone[len(ids)]} | {c[0] for c in closers if len(c) == 1}
+        return EndProbe(len(ids), tuple(sorted(end_ids)))
 
     def stream_reply(
         self,
@@ -182,7 +234,9 @@ class EngineLLM:
         speculation: bool,
         stats: ReplyStats,
         cancel: threading.Event | None = None,
+        end_probe: bool = False,
     ) -> Iterator[LLMDelta]:
+        """The reply, step by step. end_probe: the first delta carries end_of_message_probability (at a pause)."""
         prompt, question_start = self._prompt(messages, stats)
         if self._spoken_prefix is not None:
             ids, start = self._spoken_prefix
@@ -190,7 +244,14 @@ class EngineLLM:
             self._spoken_prefix = None
         policy = k_policy_factory(self.k) if self.k else None
         config = GenerationConfig(
-            self.max_new_tokens, self.sampling, self.seed, speculation, policy, self.load_aware, question_start
+            self.max_new_tokens,
+            self.sampling,
+            self.seed,
+            speculation,
+            policy,
+            self.load_aware,
+            question_start,
+            self._end_probe(messages, prompt) if end_probe else None,
         )
         decoder = IncrementalDecoder(self.tokenizer)
         eos = self.tokenizer.eos_token_ids
@@ -213,4 +274,5 @@ class EngineLLM:
                 pieces=pieces,
                 batch_size=ev.batch_size,
                 k_chosen=ev.k_chosen,
+                end_of_message_probability=ev.end_of_message_probability,
             )

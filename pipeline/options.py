@@ -11,7 +11,7 @@ from specdec.quant import TARGET_QUANTS
 
 from .agent import AgentConfig
 from .tts import offered_tts, tts_problem
-from .turn_end import TurnEnd
+from .turn_end import MODES, TurnEnd
 
 
 def positive_int(value: str) -> int:
@@ -150,11 +150,22 @@ def add_agent_arguments(parser: argparse.ArgumentParser) -> None:
     t = d.turn_end
     parser.add_argument(
         "--end-of-turn",
-        choices=["words", "silence"],
+        choices=list(MODES),
         default=t.mode,
-        help="words: the silence that ends a turn depends on whether the words heard look finished; "
+        help="smart: Smart Turn's audio model and the target's words vote at each pause (falls back to words when "
+        "the model is missing); words: the silence depends on whether the transcript looks finished; "
         "silence: always --hangover-ms",
     )
+    for name, default, what in (
+        ("audio", t.audio_threshold, "Smart Turn's P(finished)"),
+        ("words", t.words_threshold, "the target's P(end of message)"),
+    ):
+        parser.add_argument(
+            f"--turn-{name}-threshold",
+            type=float,
+            default=default,
+            help=f"--end-of-turn smart: {what} at or above this votes finished",
+        )
     parser.add_argument(
         "--hangover-ms", type=float, default=t.silence_ms, help="--end-of-turn silence: the silence that ends a turn"
     )
@@ -163,7 +174,7 @@ def add_agent_arguments(parser: argparse.ArgumentParser) -> None:
         ("unsure", t.unsure_ms, "words that may or may not go on (… in?, … have?)"),
         ("incomplete", t.incomplete_ms, "words that trail off (… of, and …), or not yet transcribed"),
     ):
-        help_text = f"--end-of-turn words: the silence after {after}"
+        help_text = f"--end-of-turn smart or words: the silence after {after}"
         parser.add_argument(f"--hangover-{name}-ms", type=float, default=default, help=help_text)
     parser.add_argument(
         "--no-preemptive",
@@ -224,6 +235,8 @@ def agent_config_from_args(args: argparse.Namespace) -> AgentConfig:
             args.hangover_complete_ms,
             args.hangover_unsure_ms,
             args.hangover_incomplete_ms,
+            args.turn_audio_threshold,
+            args.turn_words_threshold,
         ),
         preemptive=args.preemptive,
         prefill_while_speaking=args.prefill_while_speaking,

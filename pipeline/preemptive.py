@@ -33,6 +33,8 @@ class Hold:
     def __init__(self, words: str) -> None:
         self.words = words  # the transcript the answer was started on
         self.state: HoldState = "held"
+        # the answer's first forward reads it for the end-of-turn decision (metrics.DEFINITIONS); not held back
+        self.end_of_message_probability: float | None = None
         self._cond = threading.Condition()
         self._queued: list[Callable[[], None]] = []
         self._cancels: list[threading.Event] = []

@@ -155,6 +155,7 @@ class OpenAICompatibleLLM:
         speculation: bool,
         stats: ReplyStats,
         cancel: threading.Event | None = None,
+        end_probe: bool = False,  # a server does not give the words' row: no end_of_message_probability
     ) -> Iterator[LLMDelta]:
         base = self.base_url_no_spec if not speculation and self.base_url_no_spec else self.base_url
         model = self.model_for(base)

@@ -39,6 +39,7 @@ class Timeline:
     first_audio_ready: float | None = None  # the TTS had the first samples (held until confirmed if early)
     early_discarded: int = 0  # early answers of this turn thrown away (the user went on, or other final words)
     silence_rule_ms: float | None = None  # what a fixed silence would have waited, when words ended the turn
+    pauses: list[dict] = field(default_factory=list)  # the turn's pauses: signals, wait chosen and why (listener)
     played_until: float | None = None  # when the answer audio out so far ends, played from its first sample on
     stall_s: float = 0.0  # metrics.DEFINITIONS["stall_ms"], in seconds
 
@@ -117,4 +118,5 @@ class Timeline:
             "early_start_ms": (self.early_start - t0) * 1000 if (t0 and self.early_start) else None,
             "early_discarded": self.early_discarded,
             "saved_ms": self.saved_ms(),
+            "pauses": self.pauses,
         }

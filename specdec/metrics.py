@@ -77,6 +77,12 @@ DEFINITIONS: dict[str, str] = {
     "first_chunk_tokens_per_forward": "a voice turn: the tokens emitted up to the release of the first spoken chunk "
     "÷ the target forwards that emitted them, the prefill's forward included (what a listener waits for: each "
     "forward saved there comes off TTFA); bench-voice reports the median per mode",
+    "end_of_message_probability": "the target's probability that the user's message ends after the words heard up "
+    "to a pause: P(next token ends the message, or is a closing . ? !) at the last word's position (the words "
+    "without the punctuation Whisper closes them with), read from the early answer's first forward, which feeds "
+    "that row anyway",
+    "end_of_turn_probability": "Smart Turn v3.2's probability that the speaker has finished, from the last ≤ 8 s of "
+    "the turn's audio up to a pause (prosody as well as words; pipecat's model, run here with onnxruntime)",
     "stall_ms": "silence inside an answer (server side): with its audio played at real speed from the first sample "
     "out of the TTS, the total time the listener waits between the end of the samples out so far and the next ones; "
     "0 when the speech never runs dry",

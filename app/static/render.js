@@ -198,7 +198,19 @@ function renderWaterfall() {
       + `width:${(100 * Math.max(0, heard - d.ttfa_ms)) / total}%"></span></span>`
       + `<span class="sv-wf-ms">${fmt(heard)} ms</span></div>`);
   }
+  rows.push(pausesLine(d.timeline?.pauses));
   setHtml('waterfall', rows.join(''));
+}
+
+const prob = (p) => (p === null || p === undefined ? '—' : p.toFixed(2));
+
+// Why the end-of-turn bar is as long as it is: each pause's votes and the wait they chose.
+function pausesLine(pauses) {
+  if (!pauses?.length) return '';
+  const items = pauses.map((p, i) => `pause ${i + 1}: Smart Turn ${prob(p.end_of_turn_probability)}, target `
+    + `${prob(p.end_of_message_probability)} → wait ${fmt(p.wait_ms)} ms (${esc(p.why)})`
+    + (p.ended_turn ? ', ended the turn' : `, you went on after ${fmt(p.silence_ms)} ms`));
+  return `<div class="sv-sub">end of turn: ${items.join(' · ')}</div>`;
 }
 
 const turnsText = (n) => `${n} turn${n === 1 ? '' : 's'}`;

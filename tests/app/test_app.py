@@ -155,7 +155,7 @@ class HeldLLM(ScriptedLLM):
         self.go = threading.Event()
         self.go.set()
 
-    def stream_reply(self, messages, speculation, stats, cancel=None):
+    def stream_reply(self, messages, speculation, stats, cancel=None, end_probe=False):
         self.go.wait(30)
         yield from super().stream_reply(messages, speculation, stats, cancel)
 

@@ -115,7 +115,7 @@ def test_the_app_is_ready_once_every_stage_is_warm(monkeypatch):
             yield np.zeros(160, np.float32)
 
     class RecordingLLM(ScriptedLLM):
-        def stream_reply(self, messages, speculation, stats, cancel=None):
+        def stream_reply(self, messages, speculation, stats, cancel=None, end_probe=False):
             ran.append(f"llm, speculation {'on' if speculation else 'off'}")
             return super().stream_reply(messages, speculation, stats, cancel)
 
@@ -186,7 +186,7 @@ def test_the_llm_warm_up_stops_after_a_few_steps_of_each_mode():
     steps: list[bool] = []
 
     class Counting(ScriptedLLM):
-        def stream_reply(self, messages, speculation, stats, cancel=None):
+        def stream_reply(self, messages, speculation, stats, cancel=None, end_probe=False):
             for delta in super().stream_reply(messages, speculation, stats, cancel):
                 steps.append(speculation)
                 yield delta

@@ -106,7 +106,7 @@ class HeldLLM:
     def __getattr__(self, name: str):
         return getattr(self.llm, name)
 
-    def stream_reply(self, messages, speculation, stats, cancel=None):
+    def stream_reply(self, messages, speculation, stats, cancel=None, end_probe=False):
         if self.holding.is_set() and not self.permits.acquire(timeout=120):
             raise TimeoutError("the answer was never released")
         yield from self.llm.stream_reply(messages, speculation, stats, cancel)

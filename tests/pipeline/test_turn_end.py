@@ -1,5 +1,6 @@
 """End of turn by words, preemptive generation (held early answers) and prefill while speaking."""
 
+import dataclasses
 import math
 import threading
 import time
@@ -14,7 +15,7 @@ from pipeline.llm import EngineLLM, ReplyStats
 from pipeline.llm_provider import SharedProvider
 from pipeline.preemptive import ChildCancel, Hold
 from pipeline.timeline import STAGES, Timeline
-from pipeline.turn_end import TurnEnd, how_finished
+from pipeline.turn_end import PauseSignals, TurnEnd, how_finished
 from specdec.build import build_engine
 from specdec.engine import EngineSession
 from tests.support.fakes import FakeTTS, ScriptedLLM
@@ -45,17 +46,44 @@ def test_how_finished(text, finish):
     assert how_finished(text) == finish
 
 
+def wait_ms(turn_end: TurnEnd, words=None, audio=None, target=None, smart=True, target_expected=True) -> float:
+    return turn_end.decide(PauseSignals(words, audio, target), smart, target_expected).ms
+
+
+def test_smart_waits_briefly_only_when_audio_and_words_both_say_finished():
+    smart = TurnEnd(
+        "smart", complete_ms=160, unsure_ms=700, incomplete_ms=1000, audio_threshold=0.5, words_threshold=0.2
+    )
+    assert wait_ms(smart, "Is it raining?", audio=0.9, target=0.6) == 160
+    assert wait_ms(smart, "Is it raining?", audio=0.3, target=0.6) == 1000  # the voice goes on
+    # Whisper closed a fragment with a period, and the voice fell as if finished: the target still reads it unfinished
+    assert wait_ms(smart, "I would like to know.", audio=0.9, target=0.05) == 1000
+    # Until the target's forward has read the words, finished-looking words are only unsure (Whisper closes
+    # fragments with "?" too) ...
+    assert wait_ms(smart, "Is it raining?", audio=0.9) == 700
+    assert wait_ms(smart, "Is it raining in?", audio=0.9, target=0.6) == 160  # ... until the target says finished
+    assert wait_ms(smart, "Is it raining?", audio=0.9, target=None, target_expected=False) == 160  # none will come
+    assert wait_ms(dataclasses.replace(smart, transcript_stands_in=True), "Is it raining?", audio=0.9) == 160
+    assert wait_ms(smart, "Is it raining?") == 1000  # the audio not scored yet
+    assert wait_ms(smart, None, audio=0.9) == 1000  # the words not heard yet
+    assert wait_ms(smart, "Is it raining?", audio=0.3, smart=False) == 160  # Smart Turn failed to load: words rule
+    assert "audio 0.30 unfinished" in smart.decide(PauseSignals("Is it?", 0.3, 0.6)).why
+
+
 def test_turn_end_waits_by_words_or_by_silence():
     words = TurnEnd("words", silence_ms=300, complete_ms=200, unsure_ms=700, incomplete_ms=1000)
-    assert words.hangover_ms("Is it raining?") == 200
-    assert words.hangover_ms("Is it raining in?") == 700
-    assert words.hangover_ms("Is it raining and") == 1000
-    assert words.hangover_ms(None) == 1000  # not transcribed yet: wait for the words
+    assert wait_ms(words, "Is it raining?") == 200
+    assert wait_ms(words, "Is it raining in?") == 700
+    assert wait_ms(words, "Is it raining and") == 1000
+    assert wait_ms(words) == 1000  # not transcribed yet: wait for the words
+    assert wait_ms(words, "Is it raining?", audio=0.0, target=0.0) == 200  # mode words: the transcript alone
     assert words.longest_ms == 1000
     silence = TurnEnd("silence", silence_ms=300)
-    assert silence.hangover_ms("Is it raining in") == silence.hangover_ms(None) == silence.longest_ms == 300
+    assert wait_ms(silence, "Is it raining in") == wait_ms(silence) == silence.longest_ms == 300
     with pytest.raises(ValueError, match="mode"):
         TurnEnd("vibes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="audio_threshold"):
+        TurnEnd(audio_threshold=1.5)
     with pytest.raises(ValueError, match="complete_ms"):
         TurnEnd(complete_ms=0)
 
@@ -137,9 +165,57 @@ def spoken(*pieces: str | float) -> tuple[np.ndarray, list[float]]:
     return np.concatenate(audio), ends
 
 
-def agent_with(asr, answer="Ottawa is the capital of Canada.", **config):
-    llm = ScriptedLLM(answer, step_s=0.02)
+def agent_with(asr, answer="Ottawa is the capital of Canada.", end_of_message_probability=None, **config):
+    llm = ScriptedLLM(answer, step_s=0.02, end_of_message_probability=end_of_message_probability)
     return VoiceAgent(AgentConfig(**config), SharedProvider(llm), asr, FakeTTS()), llm
+
+
+class FixedSmartTurn:
+    """Smart Turn's stand-in: the same P(finished) for any audio."""
+
+    def __init__(self, p: float) -> None:
+        self.p = p
+
+    def probability(self, audio16k):
+        return self.p
+
+
+def fragment_turn(mode, audio_p, target_p):
+    """ "I would like to know why … the sky is blue." with a 0.5 s pause that Whisper closes with a period."""
+    audio, ends = spoken("I would like to know why", 0.5, "the sky is blue.")
+    asr = ScriptedASR(
+        [(ends[0] - 0.1, "I would like to know why."), (ends[2] - 0.1, "I would like to know why the sky is blue.")]
+    )
+    agent, _ = agent_with(asr, end_of_message_probability=target_p, turn_end=TurnEnd(mode))
+    agent.smart_turn = FixedSmartTurn(audio_p) if mode == "smart" else None
+    return agent.turn_from_recording(agent.new_conversation(), audio, True)
+
+
+@needs_espeak
+def test_todays_rule_cuts_a_fragment_whisper_closed_and_the_votes_keep_it_whole():
+    assert fragment_turn("words", None, None).transcript == "I would like to know why."  # cut at the pause
+    # The voice fell as if finished, but the target reads the words as unfinished: the turn waits the long wait.
+    result = fragment_turn("smart", 0.9, 0.03)
+    assert result.transcript == "I would like to know why the sky is blue."
+    *before, last = result.timeline.pauses
+    (mid,) = [p for p in before if p["silence_ms"] > 300]  # espeak's own short gaps aside
+    assert mid["end_of_message_probability"] == 0.03 and mid["wait_ms"] == TurnEnd().incomplete_ms
+    assert last["ended_turn"] and not mid["ended_turn"]
+    # The voice going on is enough as well, whatever the words.
+    assert fragment_turn("smart", 0.1, 0.9).transcript == "I would like to know why the sky is blue."
+
+
+@needs_espeak
+def test_a_finished_question_is_answered_after_the_short_wait_when_both_say_finished():
+    audio, ends = spoken("What is the capital of France?")
+    asr = ScriptedASR([(ends[0] - 0.1, "What is the capital of France?")])
+    agent, _ = agent_with(asr, end_of_message_probability=0.8, turn_end=TurnEnd("smart"))
+    agent.smart_turn = FixedSmartTurn(0.95)
+    result = agent.turn_from_recording(agent.new_conversation(), audio, True)
+    wait = result.to_dict()["stages"]["end_of_turn_wait"]
+    assert TurnEnd().complete_ms - 40 <= wait <= TurnEnd().complete_ms + 80
+    (pause,) = result.timeline.pauses
+    assert pause["ended_turn"] and pause["end_of_turn_probability"] == 0.95 and "smart_turn_ms" in pause
 
 
 @needs_espeak
@@ -377,12 +453,12 @@ def test_a_pass_that_heard_all_but_the_last_tenth_of_a_second_starts_the_early_a
         time.sleep(0.05)
         listener.poll()
         started_before_the_pass = [hold.words for hold in holds]
-        assert listener.vad.hangover_s == TurnEnd().hangover_ms(None) / 1000  # only words heard to the end set it
+        assert listener.vad.hangover_s == wait_ms(TurnEnd("words")) / 1000  # only words heard to the end set it
         asr.gate.set()  # the pass of all of the speech ends
         assert wait_until(lambda: listener.asr.covering(last) is not None, 5)
         listener.poll()
         final = exact or "What is the capital of France?"
-        assert listener.vad.hangover_s == TurnEnd().hangover_ms(final) / 1000
+        assert listener.vad.hangover_s == wait_ms(TurnEnd("words"), final) / 1000
     finally:
         listener.close()
     assert started_before_the_pass == starts[:1]

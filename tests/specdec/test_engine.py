@@ -8,7 +8,7 @@ import torch
 
 from specdec.build import build_engine
 from specdec.drafters import DraftModelDrafter, NGramDrafter, OpeningEchoDrafter, Proposal, echo_lookup
-from specdec.engine import GenerationConfig, collect
+from specdec.engine import EndProbe, GenerationConfig, collect
 from specdec.metrics import SpecStats
 from specdec.runner import BatchRunner, fastest_min_feed
 from specdec.sampling import SamplingParams
@@ -315,3 +315,21 @@ def test_a_seed_reproduces_its_sampled_answer_with_a_fixed_k_schedule(tiny_engin
     assert len(answers) == 1
     other = collect(engine.stream(ids, GenerationConfig(30, params, seed=6)))[0]
     assert tuple(other) not in answers  # the seed is what fixes it
+
+
+@pytest.mark.parametrize("speculate", [False, True])
+def test_end_probe_reads_the_words_row_in_the_first_forward_and_changes_nothing(tiny_engine, speculate):
+    target, draft = tiny_engine.models
+    engine = make_engine(target, draft_factory(draft), "4")
+    ids = target.tokenizer.chat_ids([{"role": "user", "content": "what is two plus two?"}])
+    words_end = len(target.tokenizer.chat_ids([{"role": "user", "content": "what is two plus two"}])) - 1
+    end_ids = (ids[words_end], 65)
+    probe = EndProbe(words_end, end_ids)
+    events = list(engine.stream(ids, GenerationConfig(20, speculate=speculate, end_probe=probe)))
+    probs = [e.end_of_message_probability for e in events]
+    assert probs[0] is not None and all(p is None for p in probs[1:])  # the first step only
+    # What a forward of the words alone says of the token after them:
+    cache = engine.runner.new_cache()
+    alone = torch.softmax(cache.extend(ids[:words_end])[0].float(), -1)
+    assert probs[0] == pytest.approx(float(alone[list(end_ids)].sum()), abs=1e-5)
+    assert [t for e in events for t in e.tokens] == target_only(target, ids, 20)  # the answer is unchanged

@@ -12,16 +12,18 @@ from pipeline.llm import LLMDelta
 
 
 class ScriptedLLM:
-    """Speaks a fixed answer word by word, one 'step' every `step_s` seconds, half the words from 'drafts'."""
+    """Speaks a fixed answer word by word, one 'step' every `step_s` seconds, half the words from 'drafts'; an answer
+    started at a pause (end_probe) gives end_of_message_probability with its first word, as the engine's does."""
 
     name = "scripted"
 
-    def __init__(self, answer: str, step_s: float = 0.01) -> None:
+    def __init__(self, answer: str, step_s: float = 0.01, end_of_message_probability: float | None = None) -> None:
         self.words = answer.split(" ")
         self.step_s = step_s
+        self.end_of_message_probability = end_of_message_probability
         self.seen_messages: list[list[dict]] = []
 
-    def stream_reply(self, messages, speculation, stats, cancel=None):
+    def stream_reply(self, messages, speculation, stats, cancel=None, end_probe=False):
         self.seen_messages.append(messages)
         for i, word in enumerate(self.words):
             if cancel is not None and cancel.is_set():
@@ -29,7 +31,8 @@ class ScriptedLLM:
             time.sleep(self.step_s)
             now = time.perf_counter()
             stats.add(1, now)
-            yield LLMDelta((" " if i else "") + word, 1, [bool(i % 2)], 1, i % 2, now)
+            end = self.end_of_message_probability if end_probe and not i else None
+            yield LLMDelta((" " if i else "") + word, 1, [bool(i % 2)], 1, i % 2, now, end_of_message_probability=end)
 
 
 class FakeTTS:
