@@ -153,7 +153,6 @@ class ModelLoader:
             "asr": f"{c.asr_model}, beam {c.asr_beam_size}, {window}",
             "tts": c.tts,
             "k": e.k,
-            "end_of_turn": c.turn_end.describe(),
             "preemptive": c.preemptive,
             "prefill_while_speaking": c.prefill_while_speaking,
             "opening_echo": not c.llm_url and e.opening_echo and e.draft == "heads",

@@ -5,7 +5,7 @@ short answers, since only the turn's end is measured. Each pause's signals, when
 kept, so `--replay` can try other thresholds on a run's JSON without running the models again.
 
     specvoice bench-turn --wavs assets/utterances-turns-tune --json turns.json
-    specvoice bench-turn --replay turns.json --json sweep.json
+    specvoice bench-turn --replay turns.json [more.json …] --json sweep.json
 """
 
 from __future__ import annotations
@@ -36,7 +36,9 @@ SIGNALS = ("words", "end_of_turn_probability", "end_of_message_probability")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--wavs", help="a directory of .wav turns with turns.json (scripts/make_utterances.py)")
-    parser.add_argument("--replay", help="a bench-turn JSON: decide its pauses again over a grid of thresholds")
+    parser.add_argument(
+        "--replay", nargs="+", help="bench-turn JSONs: decide their pauses again, together, over a grid of thresholds"
+    )
     parser.add_argument("--json", required=True)
     add_agent_arguments(parser)
     parser.set_defaults(max_new_tokens=8)  # the answer is not measured here
@@ -45,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     if bool(args.wavs) == bool(args.replay):
         raise SystemExit("bench-turn: give --wavs (run) or --replay (decide a run's pauses again), one of them")
-    out = replay(json.loads(Path(args.replay).read_text())) if args.replay else run(args)
+    out = replay([json.loads(Path(f).read_text()) for f in args.replay]) if args.replay else run(args)
     Path(args.json).write_text(json.dumps(out, indent=2))
     print(json.dumps(out["summary"], indent=2), file=sys.stderr)
     return 0
@@ -132,10 +134,11 @@ def decide_again(turn_end: TurnEnd, turns: list[dict]) -> dict:
     }
 
 
-def replay(run_json: dict) -> dict:
-    """Every combination of thresholds and waits over a grid, best first: most paused turns whole, then the shortest
-    median wait on finished ones."""
-    base = TurnEnd(**run_json["meta"]["turn_end"])
+def replay(runs: list[dict]) -> dict:
+    """Every combination of thresholds and waits over a grid; the summary is its frontier: for each count of paused
+    turns whole, the combination with the shortest median wait on finished ones."""
+    base = TurnEnd(**runs[0]["meta"]["turn_end"])
+    turns = [t for run in runs for t in run["turns"]]
     grid = itertools.product(
         (0.3, 0.5, 0.7, 0.9), (0.05, 0.1, 0.2, 0.3, 0.5), (120, 160, 200), (500, 700, 1000), (False, True)
     )
@@ -149,6 +152,11 @@ def replay(run_json: dict) -> dict:
             unsure_ms=unsure,
             transcript_stands_in=stands_in,
         )
-        rows.append({"turn_end": vars(turn_end), **decide_again(turn_end, run_json["turns"])})
-    rows.sort(key=lambda r: (-r["paused_turns_whole"], r["finished_wait_ms_median"] or 0))
-    return {"meta": {"replayed": run_json["meta"]}, "summary": rows[:10], "grid": rows}
+        rows.append({"turn_end": vars(turn_end), **decide_again(turn_end, turns)})
+    frontier: dict[int, dict] = {}
+    for row in rows:
+        best = frontier.setdefault(row["paused_turns_whole"], row)
+        if (row["finished_wait_ms_median"] or 0) < (best["finished_wait_ms_median"] or 0):
+            frontier[row["paused_turns_whole"]] = row
+    summary = [frontier[whole] for whole in sorted(frontier, reverse=True)]
+    return {"meta": {"replayed": [run["meta"] for run in runs]}, "summary": summary, "grid": rows}

@@ -156,9 +156,11 @@ class VoiceAgent:
         self.transcriber = transcriber or make_transcriber(config)
         self.tts = tts or make_tts(config.tts, config.engine.device)
         self.smart_turn: SmartTurn | None = None
-        self.turn_end_status = f"end of turn: {config.turn_end.describe()}"
+        loaded = ""
         if config.turn_end.mode == "smart":  # a failed load falls back to the words rule, said in the status
-            self.smart_turn, self.turn_end_status = load_smart_turn()
+            self.smart_turn, loaded = load_smart_turn()
+            loaded += "; "
+        self.turn_end_status = f"{loaded}end of turn: {config.turn_end.describe(self.smart_turn is not None)}"
 
     def new_conversation(self) -> Conversation:
         return Conversation(self)

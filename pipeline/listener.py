@@ -105,8 +105,8 @@ class TurnListener:
             return None
         if not was_paused:
             self._paused_at = self.vad.last_voiced[0]
+            self._score_audio()  # first (~40 ms on one thread), then the pause's ASR pass has the cores
             self.asr.speech_paused(self.vad.last_voiced[1])
-            self._score_audio()
         self.poll()
         return None
 

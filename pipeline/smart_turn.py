@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort  # type: ignore[import-untyped]  # ships no type hints
-from transformers import WhisperFeatureExtractor
+from faster_whisper.feature_extractor import FeatureExtractor
 
 SAMPLE_RATE = 16_000
 WINDOW_S = 8.0  # the model was trained on the last 8 s of a turn
@@ -48,20 +48,17 @@ class SmartTurn:
         options.inter_op_num_threads = 1
         options.intra_op_num_threads = threads
         self.session = ort.InferenceSession(str(self.path), sess_options=options, providers=["CPUExecutionProvider"])
-        # Whisper's log-mel features over an 8 s chunk: (80, 800), normalized as the model was trained.
-        self.features = WhisperFeatureExtractor(chunk_length=int(WINDOW_S))
+        # Whisper's log-mel features over an 8 s chunk, (80, 800), in numpy: transformers' extractor computes them
+        # with torch when it is installed, and torch on this thread would start an OpenMP pool of its own, beside
+        # the compute thread's, that made every later LLM forward ~1.7x slower (specdec/compute.py). Equal to
+        # transformers' WhisperFeatureExtractor(chunk_length=8) within 2e-5.
+        self.features = FeatureExtractor(feature_size=80, chunk_length=int(WINDOW_S))
 
     def probability(self, audio16k: np.ndarray) -> float:
         """P(finished) in [0, 1] for the turn's audio up to the pause (1-D float32 at 16 kHz)."""
-        features = self.features(
-            window(audio16k),
-            sampling_rate=SAMPLE_RATE,
-            return_tensors="np",
-            padding="max_length",
-            max_length=WINDOW,
-            truncation=True,
-            do_normalize=True,
-        ).input_features.astype(np.float32)
+        audio = window(audio16k)
+        audio = (audio - audio.mean()) / np.sqrt(audio.var() + 1e-7)  # the waveform normalized, as in training
+        features = self.features(audio, padding=0)[None].astype(np.float32)
         (out,) = self.session.run(None, {"input_features": features})
         return float(np.clip(np.asarray(out).reshape(-1)[0], 0.0, 1.0))  # the model ends in a sigmoid
 

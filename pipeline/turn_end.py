@@ -88,8 +88,8 @@ class TurnEnd:
     unsure_ms: float = 700.0
     incomplete_ms: float = 1000.0
     # chosen on assets/utterances-turns-tune with `bench-turn --replay` (docs/results.md)
-    audio_threshold: float = 0.2
-    words_threshold: float = 0.15
+    audio_threshold: float = 0.1
+    words_threshold: float = 0.2
     # the transcript may vote finished before the target's forward has read the words: a shorter wait on finished
     # questions, but Whisper closes fragments with "." and "?" too ("Can you explain?"), and falling speech agrees
     transcript_stands_in: bool = False
@@ -108,11 +108,12 @@ class TurnEnd:
     def longest_ms(self) -> float:
         return self.silence_ms if self.mode == "silence" else max(self.complete_ms, self.unsure_ms, self.incomplete_ms)
 
-    def describe(self) -> str:
+    def describe(self, smart: bool = True) -> str:
+        """The rule in words; smart=False: Smart Turn did not load, so mode "smart" runs the words rule."""
         if self.mode == "silence":
             return f"{self.silence_ms:g} ms of silence"
         waits = f"{self.complete_ms:g} ms when finished, {self.unsure_ms:g} ms when unsure, {self.incomplete_ms:g} ms"
-        if self.mode == "words":
+        if self.mode == "words" or not smart:
             return f"by words: {waits} when they trail off"
         return (
             f"by Smart Turn (audio ≥ {self.audio_threshold:g}) and the target's words (≥ {self.words_threshold:g}): "

@@ -65,7 +65,7 @@ function renderStatus() {
     setTimeout(render, 1000); // keep the elapsed time ticking
   } else {
     const e = st.engine || {};
-    text = `Ready — LLM ${e.llm}, K ${e.k}; ASR ${e.asr}; TTS ${e.tts}; end of turn: ${e.end_of_turn}; `
+    text = `Ready — LLM ${e.llm}, K ${e.k}; ASR ${e.asr}; TTS ${e.tts}; ${st.end_of_turn}; `
       + (e.preemptive ? 'answers start at the pause; ' : '')
       + (e.prefill_while_speaking ? 'prefill while speaking; ' : '')
       + (e.opening_echo ? 'openings drafted from the question; ' : '')

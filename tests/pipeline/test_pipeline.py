@@ -85,8 +85,8 @@ def test_a_turn_reports_its_first_chunks_tokens_per_forward(tiny_engine):
     seen: dict[int, int] = {}  # tokens so far -> target forwards so far, after each delta
     stream = llm.stream_reply
 
-    def counted(messages, speculation, stats, cancel=None):
-        for delta in stream(messages, speculation, stats, cancel):
+    def counted(messages, speculation, stats, cancel=None, end_probe=False):
+        for delta in stream(messages, speculation, stats, cancel, end_probe):
             seen[stats.tokens] = stats.spec.target_forwards
             yield delta
 

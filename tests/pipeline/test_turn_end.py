@@ -202,7 +202,7 @@ def test_todays_rule_cuts_a_fragment_whisper_closed_and_the_votes_keep_it_whole(
     assert mid["end_of_message_probability"] == 0.03 and mid["wait_ms"] == TurnEnd().incomplete_ms
     assert last["ended_turn"] and not mid["ended_turn"]
     # The voice going on is enough as well, whatever the words.
-    assert fragment_turn("smart", 0.1, 0.9).transcript == "I would like to know why the sky is blue."
+    assert fragment_turn("smart", 0.02, 0.9).transcript == "I would like to know why the sky is blue."
 
 
 @needs_espeak
