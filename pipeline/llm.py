@@ -206,28 +206,6 @@ class EngineLLM:
         end_ids = {alone[len(ids)]} | {c[0] for c in closers if len(c) == 1}
         return EndProbe(len(ids), tuple(sorted(end_ids)))
 
-    def _through_words(self, head: list[dict[str, str]], words: str) -> list[int]:
-        """The chat prompt's tokens up to the end of a user message's words after `head`: what every message starting
-        with these words shares."""
-        tails = (" a", " zz")  # the next word starts with a space: the words' own tokens are the shared ones
-        with_words = [self.tokenizer.chat_ids([*head, {"role": "user", "content": words + tail}]) for tail in tails]
-        return with_words[0][: common_prefix_length(*with_words)]
-
-    def _end_probe(self, messages: list[dict[str, str]], prompt: list[int]) -> EndProbe | None:
-        """Where the prompt's last message's words end (without closing punctuation) and the tokens that would end
-        the message there: its end token in the chat template, or . ? ! (each when a token of its own)."""
-        fitted, _ = self._fit(messages)
-        head, words = fitted[:-1], unclosed(fitted[-1]["content"])
-        if not words:
-            return None
-        ids = self._through_words(head, words)
-        alone = self.tokenizer.chat_ids([*head, {"role": "user", "content": words}])
-        if prompt[: len(ids)] != ids or len(alone) <= len(ids) or len(ids) <= self._words_start(head):
-            return None
-        closers = [self.tokenizer.encode(c) for c in _CLOSERS]
-        end_ids = {alone[len(ids)]} | {c[0] for c in closers if len(c) == 1}
-        return EndProbe(len(ids), tuple(sorted(end_ids)))
-
     def stream_reply(
         self,
         messages: list[dict[str, str]],

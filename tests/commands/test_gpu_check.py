@@ -85,3 +85,14 @@ def test_the_case_study_is_calibrated_to_the_curve(check):
     for row in case["models"].values():
         assert 0 < row["measured_over_modelled"]["min"] <= row["measured_over_modelled"]["max"]
     assert case["roofline_speedup_7b_with_0.5b_k4"] > 0
+
+
+def test_the_efficiency_fit_survives_forwards_that_do_not_grow_with_size():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from gpu_predict import fit_efficiency
+
+    efficiency, overhead_s, how = fit_efficiency([1.0, 3.0, 9.0], [2.5, 3.5, 6.5])  # 2 s + bytes ÷ 2
+    assert efficiency == pytest.approx(2.0) and overhead_s == pytest.approx(2.0) and how.startswith("fitted")
+    # A fresh machine's cold first forward: 64 ms for the smallest model (the run).
+    efficiency, overhead_s, how = fit_efficiency([0.001, 0.003, 0.014], [0.064, 0.0019, 0.0067])
+    assert efficiency == pytest.approx(0.014 / 0.0067) and overhead_s == 0 and "did not grow" in how
