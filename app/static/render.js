@@ -181,9 +181,11 @@ function renderWaterfall() {
   const heard = t.heard?.ttfa_heard_ms;
   const total = Math.max(d.ttfa_ms, heard || 0);
   let start = 0;
+  const ended = d.timeline?.pauses?.find((p) => p.ended_turn);
   const rows = S.stages.map((name, i) => {
     const v = d.stages[name] || 0;
-    const row = `<div class="sv-wf-row"><span class="sv-wf-label">${esc(name)}</span><span class="sv-wf-track">`
+    const why = name === 'end_of_turn_wait' && ended ? ` title="${esc(ended.why)}"` : '';
+    const row = `<div class="sv-wf-row"${why}><span class="sv-wf-label">${esc(name)}</span><span class="sv-wf-track">`
       + `<span class="sv-wf-bar sv-stage-${i}" style="left:${(100 * start) / total}%;width:${(100 * v) / total}%">`
       + `</span></span><span class="sv-wf-ms">${fmt(v)} ms</span></div>`;
     start += v;
