@@ -76,7 +76,10 @@ class RowInt8Linear(torch.nn.Module):
         return layer
 
     def _build(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
-        self.bias = None if bias is None else torch.nn.Parameter(bias.detach().float(), requires_grad=False)
+        # copies, not .float(): a float32 tensor loaded from the int8 cache file is a view into its mapping, and would
+        # keep the whole file resident beside the packed weights (1.5 GB for the 1.5B)
+        bias = None if bias is None else bias.detach().to(torch.float32, copy=True)
+        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
         self.out_features, self.in_features = qweight.shape
         self._pack(qweight, scale)
 
@@ -96,7 +99,7 @@ class Int8RowLinear(RowInt8Linear):
 
     def _pack(self, qweight: torch.Tensor, scale: torch.Tensor) -> None:
         self._packed = torch.ops.onednn.qlinear_prepack(qweight, None)
-        self._scale = scale.float()
+        self._scale = scale.to(torch.float32, copy=True)  # its own memory: see _build
         self._zero = torch.zeros(len(qweight), dtype=torch.long)
         self.packed_weight_bytes = qweight.numel() + 12 * len(qweight)  # int8, a float32 scale and a zero point a row
 
@@ -309,6 +312,9 @@ def quantize_linears(
         if module is not embeddings:
             module._apply(lambda t: t.float() if t.is_floating_point() else t, recurse=False)  # Module.float's rule
     embeddings.register_forward_hook(lambda module, args, out: out.float())
+    # Its own storage: as loaded it is a view into the memory-mapped checkpoint, which then stays mapped, and every
+    # page read while quantizing stays resident with it (3 GB for the 1.5B; 0.27 s to copy).
+    embeddings.weight.data = embeddings.weight.data.clone()
     release_free_memory()
     return model
 
@@ -505,9 +511,11 @@ def quantized_cache_path(model: PreTrainedModel, quant: str, name: str) -> Path 
     layer = w8a8_layer().__name__ if quant == "w8a8" else quant
     for key in (quant, layer, torch.__version__, CALIBRATION_TEXT, repr(SMOOTHING_ALPHA)):
         digest.update(key.encode())
-    for key, tensor in params:  # names, shapes and an even sample of every tensor's values
+    for key, tensor in params:  # names, shapes, and every tensor's first and last 2048 values
         flat = tensor.detach().reshape(-1)
-        sample = flat[:: max(1, flat.numel() // 4096)].float().cpu().numpy().tobytes()
+        # Contiguous samples: an even stride touched a page of every 4 KB of the memory-mapped checkpoint, so the
+        # whole 3 GB file became resident before packing (the start's memory peak).
+        sample = torch.cat([flat[:2048], flat[-2048:]]).float().cpu().numpy().tobytes()
         digest.update(f"{key}{tuple(tensor.shape)}{tensor.dtype}".encode() + sample)
     dtype = str(model.dtype).removeprefix("torch.")
     return cache_dir() / "quantized" / f"{_safe(name)}-{quant}-{dtype}-{digest.hexdigest()[:16]}.safetensors"

@@ -213,9 +213,11 @@ def test_a_finished_question_is_answered_after_the_short_wait_when_both_say_fini
     agent.smart_turn = FixedSmartTurn(0.95)
     result = agent.turn_from_recording(agent.new_conversation(), audio, True)
     wait = result.to_dict()["stages"]["end_of_turn_wait"]
-    assert TurnEnd().complete_ms - 40 <= wait <= TurnEnd().complete_ms + 80
     (pause,) = result.timeline.pauses
     assert pause["ended_turn"] and pause["end_of_turn_probability"] == 0.95 and "smart_turn_ms" in pause
+    # The short wait chosen; the measured one is at least that (how much more depends on this machine's speed, so
+    # only that it is below the next longer wait is asserted).
+    assert pause["wait_ms"] == TurnEnd().complete_ms and TurnEnd().complete_ms - 40 <= wait < TurnEnd().unsure_ms
 
 
 @needs_espeak
