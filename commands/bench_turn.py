@@ -16,7 +16,6 @@ import json
 import math
 import statistics
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -25,11 +24,9 @@ from pipeline.audio import load_audio, to_mono_16k
 from pipeline.options import add_agent_arguments, agent_config_from_args
 from pipeline.turn_end import PauseSignals, TurnEnd
 from pipeline.vad import FRAME_S
-from pipeline.wer import normalize_words
 from specdec.metrics import DEFINITIONS
 
-from .bench_voice import WHOLE_MARGIN_S
-from .say import run_turn
+from .bench_voice import replayed_turn
 
 SIGNALS = ("words", "end_of_turn_probability", "end_of_message_probability")
 
@@ -62,20 +59,13 @@ def run(args: argparse.Namespace) -> dict:
     conv = agent.new_conversation()
     turns = []
     for i, (name, meta) in enumerate(sorted(info.items()), start=1):
-        audio = to_mono_16k(*load_audio(folder / f"{name}.wav"))
-        started = time.perf_counter()
-        result = run_turn(agent, conv, audio, True, paired=True)
-        tl = result.timeline
-        speech_end_s = tl.marks["speech_end"] - started
+        heard = replayed_turn(agent, conv, to_mono_16k(*load_audio(folder / f"{name}.wav")), True, meta["text"])
         turn = {
             "name": name,
             **meta,
-            "whole": speech_end_s >= len(audio) / 16000 - WHOLE_MARGIN_S,
-            "heard_right": normalize_words(result.transcript) == normalize_words(meta["text"]),
-            "transcript": result.transcript,
-            "end_of_turn_wait_ms": result.to_dict()["stages"]["end_of_turn_wait"],
-            "ttfa_ms": tl.ttfa_ms,
-            "pauses": tl.pauses,
+            **{key: heard[key] for key in ("whole", "heard_right", "transcript", "ttfa_ms")},
+            "end_of_turn_wait_ms": heard["stages"]["end_of_turn_wait"],
+            "pauses": heard["timeline"]["pauses"],
         }
         turns.append(turn)
         verdict = "whole" if turn["whole"] else "CUT"

@@ -10,8 +10,10 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 from app.stats import bootstrap_ci, paired_ratio, spread
-from pipeline.agent import VoiceAgent
+from pipeline.agent import Conversation, VoiceAgent
 from pipeline.audio import load_audio, to_mono_16k
 from pipeline.options import add_agent_arguments, agent_config_from_args
 from pipeline.paired import paired_runs
@@ -31,6 +33,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_agent_arguments(parser)
 
 
+def replayed_turn(agent: VoiceAgent, conv: Conversation, audio: np.ndarray, spec: bool, said: str | None) -> dict:
+    """One recording replayed as a turn (paired: from the conversation's shared start), as TurnResult.to_dict() plus
+    when its speech ended, whether the turn stayed whole, its early answers, and (given what was said) whether it was
+    heard right."""
+    started = time.perf_counter()  # the replay's first sample, within a millisecond
+    result = run_turn(agent, conv, audio, spec, paired=True)
+    turn = result.to_dict()
+    turn["speech_end_s"] = result.timeline.marks["speech_end"] - started
+    turn["whole"] = turn["speech_end_s"] >= len(audio) / 16000 - WHOLE_MARGIN_S
+    turn["early_kept"] = result.timeline.early_start is not None
+    turn["early_discarded"] = result.timeline.early_discarded
+    if said is not None:
+        turn["heard_right"] = normalize_words(turn["transcript"]) == normalize_words(said)
+    return turn
+
+
 def main(args: argparse.Namespace) -> int:
     wavs = sorted(Path(args.wavs).glob("*.wav"))
     if not wavs:
@@ -44,17 +62,7 @@ def main(args: argparse.Namespace) -> int:
 
     def run(item: tuple[int, Path], spec: bool) -> dict:
         _, wav = item
-        audio = audios[wav]
-        started = time.perf_counter()  # the replay's first sample, within a millisecond
-        result = run_turn(agent, conv, audio, spec, paired=True)
-        turn = result.to_dict()
-        turn["speech_end_s"] = result.timeline.marks["speech_end"] - started
-        turn["whole"] = turn["speech_end_s"] >= len(audio) / 16000 - WHOLE_MARGIN_S
-        turn["early_kept"] = result.timeline.early_start is not None
-        turn["early_discarded"] = result.timeline.early_discarded
-        if wav.stem in expected:
-            turn["heard_right"] = normalize_words(turn["transcript"]) == normalize_words(expected[wav.stem])
-        return turn
+        return replayed_turn(agent, conv, audios[wav], spec, expected.get(wav.stem))
 
     items = [(rep, wav) for rep in range(args.repeats) for wav in wavs]
     pairs = []

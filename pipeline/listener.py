@@ -95,8 +95,9 @@ class TurnListener:
                 return ev
         if not self.vad.paused:
             if was_paused:  # the speaker went on: what was started on the words before the pause is not the turn
+                assert self._paused_at is not None  # set when the pause began
                 resumed_t = self.vad.last_voiced[0] - FRAME_S  # the start of the frame that was voiced again
-                self._close_pause(max(0.0, resumed_t - (self._paused_at or resumed_t)))
+                self._close_pause(max(0.0, resumed_t - self._paused_at))
                 self._pause_words, self._pause_heard_all = None, False
                 self._pause, self._pause_costs = PauseSignals(), {}
                 self._apply()

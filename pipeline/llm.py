@@ -15,10 +15,7 @@ from specdec.sampling import SamplingParams
 from specdec.scheduler import BatchScheduler
 from specdec.tokenizer import IncrementalDecoder, common_prefix_length
 
-from .turn_end import unclosed
-
-# What may come right after a finished message's words, before its end token: Whisper's closing punctuation
-_CLOSERS = (".", "?", "!")
+from .turn_end import END_PUNCTUATION, unclosed
 
 SYSTEM_PROMPT = (
     "You are a friendly voice assistant. Answer in one to three short spoken sentences, plain words, "
@@ -142,8 +139,10 @@ class EngineLLM:
         system prompt and the last message alone are over it."""
         return self._prompt(messages, stats)[0]
 
-    def _prompt(self, messages: list[dict[str, str]], stats: ReplyStats | None) -> tuple[list[int], int]:
-        """prompt_ids, and where its last message's words begin."""
+    def _prompt(
+        self, messages: list[dict[str, str]], stats: ReplyStats | None
+    ) -> tuple[list[int], int, list[dict[str, str]]]:
+        """prompt_ids, where its last message's words begin, and the messages it holds."""
         fitted, ids = self._fit(messages)
         if len(ids) > self.prompt_room:
             raise PromptError(
@@ -153,7 +152,7 @@ class EngineLLM:
         dropped = (len(messages) - len(fitted)) // 2
         if dropped and stats is not None:
             stats.notes.append(f"the oldest {dropped} exchanges dropped to fit the prompt's {self.prompt_room} tokens")
-        return ids, self._words_start(fitted[:-1])
+        return ids, self._words_start(fitted[:-1]), fitted
 
     def _words_start(self, head: list[dict[str, str]]) -> int:
         """Where the words of a user message after the messages `head` begin in the chat prompt."""
@@ -191,18 +190,18 @@ class EngineLLM:
         with_words = [self.tokenizer.chat_ids([*head, {"role": "user", "content": words + tail}]) for tail in tails]
         return with_words[0][: common_prefix_length(*with_words)]
 
-    def _end_probe(self, messages: list[dict[str, str]], prompt: list[int]) -> EndProbe | None:
+    def _end_probe(self, fitted: list[dict[str, str]], prompt: list[int], words_start: int) -> EndProbe | None:
         """Where the prompt's last message's words end (without closing punctuation) and the tokens that would end
-        the message there: its end token in the chat template, or . ? ! (each when a token of its own)."""
-        fitted, _ = self._fit(messages)
+        the message there: its end token in the chat template, or . ? ! (each when a token of its own). fitted and
+        words_start: the prompt's messages and where their last one's words begin (_prompt's)."""
         head, words = fitted[:-1], unclosed(fitted[-1]["content"])
         if not words:
             return None
         ids = self._through_words(head, words)
         alone = self.tokenizer.chat_ids([*head, {"role": "user", "content": words}])
-        if prompt[: len(ids)] != ids or len(alone) <= len(ids) or len(ids) <= self._words_start(head):
+        if prompt[: len(ids)] != ids or len(alone) <= len(ids) or len(ids) <= words_start:
             return None
-        closers = [self.tokenizer.encode(c) for c in _CLOSERS]
+        closers = [self.tokenizer.encode(c) for c in END_PUNCTUATION]
         end_ids = {alone[len(ids)]} | {c[0] for c in closers if len(c) == 1}
         return EndProbe(len(ids), tuple(sorted(end_ids)))
 
@@ -215,7 +214,7 @@ class EngineLLM:
         end_probe: bool = False,
     ) -> Iterator[LLMDelta]:
         """The reply, step by step. end_probe: the first delta carries end_of_message_probability (at a pause)."""
-        prompt, question_start = self._prompt(messages, stats)
+        prompt, question_start, fitted = self._prompt(messages, stats)
         if self._spoken_prefix is not None:
             ids, start = self._spoken_prefix
             stats.prefilled_while_speaking_tokens = max(0, common_prefix_length(prompt, ids) - start)
@@ -229,7 +228,7 @@ class EngineLLM:
             policy,
             self.load_aware,
             question_start,
-            self._end_probe(messages, prompt) if end_probe else None,
+            self._end_probe(fitted, prompt, question_start) if end_probe else None,
         )
         decoder = IncrementalDecoder(self.tokenizer)
         eos = self.tokenizer.eos_token_ids

@@ -29,7 +29,7 @@ UNSURE_WORDS = frozenset(
     """in on at for from with about like into onto by how what why where when who which is are was were am be been
     have has had do does did can could would should will""".split()
 )
-_END_PUNCTUATION = (".", "?", "!")
+END_PUNCTUATION = (".", "?", "!")  # what closes a finished message
 # What Whisper closes a partial transcript with, though the speaker may go on: "What is the boiling point?"
 CLOSING = ".?!,;:…-— "
 _TRAILING_OFF = ("...", "…", ",", "-", "—", ":", ";")
@@ -51,7 +51,7 @@ def how_finished(text: str) -> Finish:
     more after it ("finished"), its last word often does ("unsure"), or it trails off ("unfinished")."""
     text = text.strip()
     words = re.findall(r"[a-z']+", text.lower())
-    if not words or text.endswith(_TRAILING_OFF) or not text.endswith(_END_PUNCTUATION):
+    if not words or text.endswith(_TRAILING_OFF) or not text.endswith(END_PUNCTUATION):
         return "unfinished"
     if words[-1] in UNFINISHED_WORDS:
         return "unfinished"
@@ -130,9 +130,9 @@ class TurnEnd:
             words = self._words_vote(PauseSignals(pause.words))
             return Wait(self._ms(words[0]), words[1])
         words = self._words_vote(pause)
-        if words[0] == "finished" and pause.end_of_message_probability is None and target:
-            if not self.transcript_stands_in:
-                words = "unsure", f"{words[1]}, the target's not in yet"
+        waiting = target and not self.transcript_stands_in and pause.end_of_message_probability is None
+        if words[0] == "finished" and waiting:
+            words = "unsure", f"{words[1]}, the target's not in yet"
         audio_p = pause.end_of_turn_probability
         if audio_p is None:
             return Wait(self.incomplete_ms, f"{words[1]}; audio not scored yet")

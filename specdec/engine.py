@@ -270,14 +270,14 @@ class SpeculativeEngine:
         drafts = [self._draft(answer, len(live), cap) for _, answer, cap in live]
         probes = [self._probe_rows(a) for _, a, _ in live]
         feeds = [
-            Feed(a.cache, a.ctx, probe + self._n_rows(d), self._draft_tokens(d))
+            Feed(a.cache, a.ctx, (probe or 0) + self._n_rows(d), self._draft_tokens(d))
             for (_, a, _), d, probe in zip(live, drafts, probes)
         ]
         feeds += [Feed(a.cache, a.ctx[:end]) for a, end in chunks]  # their one logit row goes unread
         t0 = clock(self.target.device)
         logits = self.runner.extend(feeds)
-        ends = [self._end_probability(lg, a) if probe else None for lg, (_, a, _), probe in zip(logits, live, probes)]
-        verdicts = [self._verdict(lg[probe:], a, d) for lg, (_, a, _), d, probe in zip(logits, live, drafts, probes)]
+        ends = [None if p is None else self._end_probability(lg, a) for lg, (_, a, _), p in zip(logits, live, probes)]
+        verdicts = [self._verdict(lg[p or 0 :], a, d) for lg, (_, a, _), d, p in zip(logits, live, drafts, probes)]
         values = torch.cat(verdicts).tolist() if verdicts else []  # the step's one read from the device
         verify_s = clock(self.target.device) - t0
         at = 0
@@ -290,10 +290,11 @@ class SpeculativeEngine:
             events[i] = event
 
     @staticmethod
-    def _probe_rows(answer: Answer) -> int:
-        """Rows fed before the verified ones so that the first is the end probe's (the cache re-feeds them if held)."""
+    def _probe_rows(answer: Answer) -> int | None:
+        """Rows fed before the verified ones so that the first row is the end probe's (the cache re-feeds them if
+        held): 0 when the words end the context, None without a probe."""
         if answer.end_probe is None:
-            return 0
+            return None
         return len(answer.ctx) - answer.end_probe.words_end
 
     @staticmethod

@@ -78,8 +78,8 @@ class RowInt8Linear(torch.nn.Module):
     def _build(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
         # copies, not .float(): a float32 tensor loaded from the int8 cache file is a view into its mapping, and would
         # keep the whole file resident beside the packed weights (1.5 GB for the 1.5B)
-        bias = None if bias is None else bias.detach().to(torch.float32, copy=True)
-        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+        own = None if bias is None else bias.detach().to(torch.float32, copy=True)
+        self.bias = None if own is None else torch.nn.Parameter(own, requires_grad=False)
         self.out_features, self.in_features = qweight.shape
         self._pack(qweight, scale)
 

@@ -244,9 +244,9 @@ def test_long_history_is_trimmed_to_fit_the_context(tiny_engine, budget, room):
     fit, prompts = conv.llm._prompt, []
 
     def recording(messages, stats=None):
-        ids, question_start = fit(messages, stats)
+        ids, question_start, fitted = fit(messages, stats)
         prompts.append(ids)
-        return ids, question_start
+        return ids, question_start, fitted
 
     conv.llm._prompt = recording
     for i in range(12):  # 12 exchanges of ~60 bytes overflow both

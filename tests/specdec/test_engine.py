@@ -333,3 +333,16 @@ def test_end_probe_reads_the_words_row_in_the_first_forward_and_changes_nothing(
     alone = torch.softmax(cache.extend(ids[:words_end])[0].float(), -1)
     assert probs[0] == pytest.approx(float(alone[list(end_ids)].sum()), abs=1e-5)
     assert [t for e in events for t in e.tokens] == target_only(target, ids, 20)  # the answer is unchanged
+
+
+def test_an_end_probe_where_the_prompt_ends_reads_the_last_row_once(tiny_engine):
+    target, draft = tiny_engine.models
+    engine = make_engine(target, draft_factory(draft), "4")
+    ids = target.tokenizer.encode("what is two plus two")
+    probe = EndProbe(len(ids), (65, 66))  # the words end the prompt: no row before the verified ones
+    events = list(engine.stream(ids, GenerationConfig(12, end_probe=probe)))
+    probs = [e.end_of_message_probability for e in events]
+    assert probs[0] is not None and all(p is None for p in probs[1:])
+    alone = torch.softmax(engine.runner.new_cache().extend(ids)[0].float(), -1)
+    assert probs[0] == pytest.approx(float(alone[[65, 66]].sum()), abs=1e-5)
+    assert [t for e in events for t in e.tokens] == target_only(target, ids, 12)
