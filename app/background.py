@@ -14,10 +14,11 @@ from collections.abc import Callable
 
 from pipeline.llm_provider import EngineProvider, LLMProvider
 from specdec.bench import read_prompts
-from specdec.engine import EngineSession, GenerationConfig, StepEvent
+from specdec.engine import GenerationConfig, StepEvent
 from specdec.models import asset_path
 from specdec.sampling import SamplingParams
 from specdec.scheduler import BatchScheduler
+from specdec.session import EngineSession
 
 log = logging.getLogger("specvoice.app")
 # The simulated conversations ask the shipped training prompts (never a benchmark prompt).

@@ -7,6 +7,7 @@ import threading
 from typing import Protocol
 
 from pipeline.agent import VoiceAgent
+from pipeline.preemptive import Hold
 
 
 class SessionLimits(Protocol):
@@ -43,19 +44,50 @@ class Models(Protocol):
 
 
 class AnswerSlots:
-    """At most `limit` answers at once over all tabs; a turn that finds none free is told so, never queued."""
+    """At most `limit` answers at once over all tabs; a turn that finds none free is told so, never queued. An early
+    answer waits for one while its turn is undecided (acquire_for)."""
 
     def __init__(self, limit: int) -> None:
         if limit < 1:
             raise ValueError(f"--max-concurrent-answers must be ≥ 1, got {limit}")
         self.limit = limit
-        self._sem = threading.BoundedSemaphore(limit)
+        self._free = limit
+        self._cond = threading.Condition()
 
     def try_acquire(self) -> bool:
-        return self._sem.acquire(blocking=False)
+        with self._cond:
+            if not self._free:
+                return False
+            self._free -= 1
+            return True
+
+    def acquire_for(self, hold: Hold | None) -> bool:
+        """A slot now; for an early answer (hold), the first one freed while its turn is undecided, as the pass at
+        the pause may hold the last one while the answer started on the pass before it asks. False when none is
+        free once the turn is confirmed, or when it was discarded."""
+        if hold is None:
+            return self.try_acquire()
+        hold.on_decided(self._wake)
+        with self._cond:
+            while hold.state != "discarded":
+                if self._free:
+                    self._free -= 1
+                    return True
+                if hold.state != "held":
+                    return False
+                self._cond.wait()
+            return False
 
     def release(self) -> None:
-        self._sem.release()
+        with self._cond:
+            if self._free >= self.limit:
+                raise ValueError("an answer slot released more often than taken")
+            self._free += 1
+            self._cond.notify_all()
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
 
     def busy_message(self) -> str:
         who = "another conversation" if self.limit == 1 else f"{self.limit} other conversations"

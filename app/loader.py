@@ -117,7 +117,7 @@ class ModelLoader:
         if self.agent is not None:
             llm = self.agent.llm
             status.update(
-                batched=llm.scheduler is not None,
+                batched=self.config.engine.batched,
                 drafters=llm.engine.switchable_drafters() if llm.engine else [],
                 k=self.config.engine.k,
                 temperature=self.config.temperature,

@@ -13,7 +13,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from specdec.engine import DRAFTER_KINDS
+from specdec.session import DRAFTER_KINDS
 
 from .protocol import DEFAULT_PLAYBACK_RATE
 

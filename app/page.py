@@ -66,6 +66,11 @@ def _definition(name: str) -> str:
 
 
 def controls_html(max_text_chars: int, max_ab_repeats: int, max_background: int) -> str:
+    return _talk_controls_html(max_text_chars) + _run_controls_html(max_text_chars, max_ab_repeats, max_background)
+
+
+def _talk_controls_html(max_text_chars: int) -> str:
+    """The status, the microphone and the text box, the speculation controls."""
     k_options = "".join(f'<option value="{k}">{k}</option>' for k in ("adaptive", *map(str, K_CHOICES)))
     return f"""
 <div class="sv-card" id="sv-status-card">
@@ -100,6 +105,12 @@ def controls_html(max_text_chars: int, max_ab_repeats: int, max_background: int)
   <label>temperature <input id="temperature" type="range" min="0" max="1.5" step="0.1" value="0">
     <output id="temperature-value">0.0</output></label>
 </div>
+"""
+
+
+def _run_controls_html(max_text_chars: int, max_ab_repeats: int, max_background: int) -> str:
+    """The background load, the A/B, the export."""
+    return f"""
 <div class="sv-card" id="sv-load-card">
   <h3>Load: other conversations at once</h3>
   <label>background conversations <input id="background" type="range" min="0" max="{max_background}" step="1"

@@ -246,40 +246,15 @@ def render_html(turns: Sequence[dict], meta: dict | None = None) -> str:
     meta = meta or {}
     summary = summarize(turns)
     generated = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    about = " · ".join(
+        f"{html.escape(str(k))}: {_fmt(v, 1) if isinstance(v, float) else html.escape(str(v))}" for k, v in meta.items()
+    )
     parts = [
         f"<!doctype html><html><head><meta charset='utf-8'><title>specvoice session report</title>"
-        f"<style>{_CSS}</style></head><body><h1>specvoice session report</h1><p>Generated {generated}. "
+        f"<style>{_CSS}</style></head><body><h1>specvoice session report</h1><p>Generated {generated}. {about}</p>",
+        _summary_html(summary),
+        *(_ab_html(ab, pairs, summary["ab"][ab]) for ab, pairs in ab_pairs(turns).items()),
     ]
-    parts.append(
-        " · ".join(
-            f"{html.escape(str(k))}: {_fmt(v, 1) if isinstance(v, float) else html.escape(str(v))}"
-            for k, v in meta.items()
-        )
-        + "</p>"
-    )
-    rows = "".join(
-        f"<tr><th>{name}</th><td>{s['turns']}</td><td>{_fmt(s['ttfa_ms_median'])}</td>"
-        f"<td>{_fmt(s['ttfa_heard_ms_median'])}</td><td>{_fmt(s['tokens_per_s_median'], 1)}</td>"
-        f"<td>{_fmt(s['draft_acceptance_rate_median'], pct=True)}</td></tr>"
-        for name, s in (("speculation off", summary["off"]), ("speculation on", summary["on"]))
-    )
-    parts.append(
-        "<h2>Summary</h2><table><tr><th></th><th>turns</th><th>TTFA median, ms</th>"
-        "<th>TTFA (heard) median, ms</th><th>tokens/s median</th><th>draft acceptance median</th></tr>"
-        f"{rows}</table><p>Heard delay median: {_fmt(summary['heard_delay_ms_median'])} ms "
-        "(goal ≤ 150 ms).</p>"
-    )
-    pairs_by_ab = ab_pairs(turns)
-    for ab, pairs in pairs_by_ab.items():
-        s = summary["ab"][ab]
-        ci = s["ratio_on_off_ci95"]
-        parts.append(
-            f"<h2>A/B run {ab}: “{html.escape(pairs[0][0].get('transcript', ''))}”</h2>"
-            f"<p>{s['n']} pairs; TTFA on ÷ off: <b>{_fmt(s['ratio_on_off_median'], 2)}</b> "
-            f"(median; 95% bootstrap CI {_fmt(ci[0], 2)} to {_fmt(ci[1], 2)}); median off "
-            f"{_fmt(s['median_off'])} ms, on {_fmt(s['median_on'])} ms. "
-            f"{html.escape(DEFINITIONS['ttfa_ratio_on_off'])}</p>{_img(ab_figure(pairs), f'A/B run {ab}')}"
-        )
     if turns:
         parts.append(
             "<h2>Plots</h2>"
@@ -287,6 +262,49 @@ def render_html(turns: Sequence[dict], meta: dict | None = None) -> str:
             + _img(stages_figure(turns), "TTFA by stage")
             + _img(heard_figure(turns), "heard delay")
         )
+    parts.append(_turns_html(turns))
+    parts.append(
+        "<h2>Definitions</h2><dl>"
+        + "".join(f"<dt>{html.escape(k)}</dt><dd>{html.escape(v)}</dd>" for k, v in DEFINITIONS.items())
+        + "</dl>"
+    )
+    parts.append(
+        "<h2>Data</h2><p>"
+        + _data_link(turns_csv(turns), "text/csv", "turns.csv")
+        + " · "
+        + _data_link(turns_json(turns, meta), "application/json", "turns.json")
+        + "</p></body></html>"
+    )
+    return "".join(parts)
+
+
+def _summary_html(summary: dict) -> str:
+    rows = "".join(
+        f"<tr><th>{name}</th><td>{s['turns']}</td><td>{_fmt(s['ttfa_ms_median'])}</td>"
+        f"<td>{_fmt(s['ttfa_heard_ms_median'])}</td><td>{_fmt(s['tokens_per_s_median'], 1)}</td>"
+        f"<td>{_fmt(s['draft_acceptance_rate_median'], pct=True)}</td></tr>"
+        for name, s in (("speculation off", summary["off"]), ("speculation on", summary["on"]))
+    )
+    return (
+        "<h2>Summary</h2><table><tr><th></th><th>turns</th><th>TTFA median, ms</th>"
+        "<th>TTFA (heard) median, ms</th><th>tokens/s median</th><th>draft acceptance median</th></tr>"
+        f"{rows}</table><p>Heard delay median: {_fmt(summary['heard_delay_ms_median'])} ms "
+        "(goal ≤ 150 ms).</p>"
+    )
+
+
+def _ab_html(ab: int, pairs: list[tuple[dict, dict]], s: dict) -> str:
+    ci = s["ratio_on_off_ci95"]
+    return (
+        f"<h2>A/B run {ab}: “{html.escape(pairs[0][0].get('transcript', ''))}”</h2>"
+        f"<p>{s['n']} pairs; TTFA on ÷ off: <b>{_fmt(s['ratio_on_off_median'], 2)}</b> "
+        f"(median; 95% bootstrap CI {_fmt(ci[0], 2)} to {_fmt(ci[1], 2)}); median off "
+        f"{_fmt(s['median_off'])} ms, on {_fmt(s['median_on'])} ms. "
+        f"{html.escape(DEFINITIONS['ttfa_ratio_on_off'])}</p>{_img(ab_figure(pairs), f'A/B run {ab}')}"
+    )
+
+
+def _turns_html(turns: Sequence[dict]) -> str:
     head = (
         "<tr><th>turn</th><th>kind</th><th>speculation</th><th>TTFA</th><th>TTFA heard</th><th>heard delay</th>"
         + "".join(f"<th>{s}</th>" for s in STAGES)
@@ -302,20 +320,7 @@ def render_html(turns: Sequence[dict], meta: dict | None = None) -> str:
         f"<td class='text'>{_clip(t.get('answer'))}</td></tr>"
         for t in turns
     )
-    parts.append(
+    return (
         f"<h2>Turns</h2><p>All times in ms; texts cut at 160 characters (whole in the data below).</p>"
         f"<table>{head}{body}</table>"
     )
-    parts.append(
-        "<h2>Definitions</h2><dl>"
-        + "".join(f"<dt>{html.escape(k)}</dt><dd>{html.escape(v)}</dd>" for k, v in DEFINITIONS.items())
-        + "</dl>"
-    )
-    parts.append(
-        "<h2>Data</h2><p>"
-        + _data_link(turns_csv(turns), "text/csv", "turns.csv")
-        + " · "
-        + _data_link(turns_json(turns, meta), "application/json", "turns.json")
-        + "</p></body></html>"
-    )
-    return "".join(parts)

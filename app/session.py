@@ -19,11 +19,13 @@ from pipeline.mic import MicInput
 from pipeline.timeline import Timeline
 
 from . import report
+from .answer_audio import REPLAY
 from .host import SessionHost
 from .messages import MessageLimits, parse_message
 from .outbox import Outbox
 from .protocol import ClockSync, decode_mic_frame
-from .turns import REPLAY, TurnRunner
+from .turns import TurnRunner
+from .wire import notice_message
 
 EXPORTS = {  # file name → (media type, builder(turns, meta))
     "report.html": ("text/html; charset=utf-8", report.render_html),
@@ -49,15 +51,21 @@ class ClientSession:
         o = host.options
         self.limits = MessageLimits(o.max_text_chars, o.max_ab_repeats, o.max_background)
         self._replaying: asyncio.Future | None = None  # resampling a kept answer for "play"
-        r = self.runner
+        r, outbox = self.runner, self.outbox  # not self: the mic must not keep the session alive
         self.mic: MicInput = MicInput(
-            self.outbox.put, r.interrupt, r.voice_turn, o.max_turn_s, r.early_turn, r.conversation, capacity=host.slots
+            lambda notice: outbox.put(notice_message(notice)),
+            r.interrupt,
+            r.voice_turn,
+            o.max_turn_s,
+            r.early_turn,
+            r.conversation,
+            capacity=host.slots,
         )
 
     @property
     def turns(self) -> list[dict]:
         """The records of this tab's answered turns, oldest first."""
-        return self.runner.records
+        return self.runner.records.records
 
     def send(self, message: dict | bytes) -> None:
         """Queue a message for the tab (any thread)."""
@@ -115,7 +123,7 @@ class ClientSession:
             self.send({"type": "error", "message": f"bad message: {e}"})
 
     def _hello(self, m: dict, received: float) -> None:
-        self.runner.browser_rate = m["sample_rate"]
+        self.runner.audio.browser_rate = m["sample_rate"]
 
     def _pong(self, m: dict, received: float) -> None:
         self.clock.add(m["ts"], m["tc"], received * 1000)
@@ -168,12 +176,12 @@ class ClientSession:
         if (self._replaying is not None and not self._replaying.done()) or self.outbox.queued(REPLAY):
             self.send({"type": "error", "message": "A replay is still being sent; play again once it has arrived."})
             return
-        kept = self.runner.kept_audio(turn)
+        kept = self.runner.audio.kept(turn)
         if kept is None:
             self.send({"type": "error", "message": f"the audio of turn {turn} is no longer kept"})
             return
         self.runner.interrupt("replay")
-        self._replaying = self.loop.run_in_executor(None, self.runner.replay, turn, *kept)
+        self._replaying = self.loop.run_in_executor(None, self.runner.audio.replay, turn, *kept)
 
     def _stop(self, m: dict, received: float) -> None:
         self.runner.interrupt("stop")
@@ -189,7 +197,7 @@ class ClientSession:
 
     def export(self, name: str) -> tuple[str, str]:
         media, build = EXPORTS[name]
-        turns = list(self.runner.records)
+        turns = list(self.runner.records.records)
         meta = {**self.host.loader.describe(), "clock_rtt_ms": self.clock.rtt_ms}
         return media, build(turns, meta)
 

@@ -7,7 +7,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-TOKEN_KEYS = ("drafted", "accepted", "tokens", "tokens_per_s", "batch_size", "k_chosen")  # passed on as they are
+from pipeline.events import AnswerEvent, AnswerStep, Audio
+
+from .wire import token_message
 
 
 class TurnStream:
@@ -32,26 +34,15 @@ class TurnStream:
         self.seq = 0
         self.prev_t: float | None = None
 
-    def __call__(self, kind: str, payload: object) -> None:
+    def __call__(self, event: AnswerEvent) -> None:
         if self.closed():
             return
         now = time.perf_counter()
-        if kind == "token":
-            assert isinstance(payload, dict)
-            n = len(payload["from_draft"]) or 1
+        if isinstance(event, AnswerStep):
+            n = event.delta.step_tokens or 1
             # The first step's time is the prefill's: a per-step rate starts at the second step.
             step_rate = n / (now - self.prev_t) if self.prev_t is not None and now > self.prev_t else None
             self.prev_t = now
-            self.put(
-                {
-                    "type": "token",
-                    "turn": self.turn,
-                    "pieces": [list(p) for p in payload["pieces"]],
-                    "step_tokens": n,
-                    "step_tokens_per_s": step_rate,
-                    **{key: payload[key] for key in TOKEN_KEYS},
-                }
-            )
-        elif kind == "audio" and self.stream_audio:
-            assert isinstance(payload, np.ndarray)
-            self.seq = self.send_audio(self.turn, self.seq, payload, now, self.rate)
+            self.put(token_message(event, self.turn, step_rate))
+        elif isinstance(event, Audio) and self.stream_audio:
+            self.seq = self.send_audio(self.turn, self.seq, event.samples, now, self.rate)

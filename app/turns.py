@@ -1,5 +1,6 @@
 """One tab's turns: the answers it asks for (typed, spoken, A/B), run one at a time on a worker thread of its own,
-their records and heard delays, and what is streamed to the page as each answer is generated."""
+which reads each answer as it is generated and speaks it (pipeline/speaker.py). Its audio out is app/answer_audio.py,
+its records app/records.py, its A/B app/ab.py."""
 
 from __future__ import annotations
 
@@ -12,25 +13,21 @@ from datetime import datetime, timezone
 
 import numpy as np
 
-from pipeline.agent import Conversation, TurnResult
-from pipeline.audio import AudioError, resample
-from pipeline.paired import paired_runs
+from pipeline.agent import Conversation, TurnResult, VoiceAgent
+from pipeline.audio import AudioError
 from pipeline.preemptive import Hold
 from pipeline.timeline import Timeline
 
+from .ab import run_ab
+from .answer_audio import AnswerAudio
 from .host import SessionHost
 from .outbox import Outbox
-from .protocol import DEFAULT_PLAYBACK_RATE, FLAG_REPLAY, ClockSync, pack_audio
-from .stats import paired_ratio
+from .protocol import ClockSync
+from .records import TurnRecords
 from .turn_stream import TurnStream
 
 log = logging.getLogger("specvoice.app.session")
 
-FIRST_PACKET_S = 0.1
-SLOT_RETRY_S = 0.01  # how often a held early answer asks again for an answer slot
-REPLAY = "replay"  # the outbox tag of a replayed answer's packets
-AB_RUN_KEYS = "turn transcript ttfa_ms stages tokens_per_s draft_acceptance_rate answer audio_seconds cancelled".split()
-HEARD_KEYS = ("ttfa_heard_ms", "heard_delay_ms", "heard_method", "heard_detail", "clock_rtt_ms")  # copied to records
 # job(cancel): one answer (or A/B run) of a tab, on its worker thread; it stops once cancel is set
 Job = Callable[[threading.Event], None]
 
@@ -44,18 +41,13 @@ class TurnRunner:
         self.outbox = outbox
         self.clock = clock
         self.closed = False
-        self.browser_rate = DEFAULT_PLAYBACK_RATE  # what the page plays at (its hello)
+        self.audio = AnswerAudio(outbox)  # no reference back: a closed tab's runner is freed by reference counting
+        self.records = TurnRecords()
         self.settings: dict = {"speculation": True, "drafter": None, "k": None, "temperature": None, "load_aware": None}
         self._applied: dict = {}
         self.conv: Conversation | None = None
-        self.records: list[dict] = []  # every answered turn, oldest first (the export)
         self.last_utterance = ""
         self.last_utterance_audio: np.ndarray | None = None  # set when the last utterance was spoken
-        self._audio: dict[int, tuple[list[np.ndarray], int]] = {}  # turn → (TTS chunks, their rate), replayable
-        self._emitted_ms: dict[int, float] = {}  # turn → server time its first audio packet left
-        self._timelines: dict[int, Timeline] = {}
-        self._heard: dict[int, dict] = {}
-        self._by_turn: dict[int, dict] = {}
         self._ids = itertools.count(1)
         self._ab_ids = itertools.count(1)
         self._lock = threading.Lock()
@@ -63,7 +55,6 @@ class TurnRunner:
         self._pending: tuple[Job, threading.Event] | None = None  # the job the worker runs next
         self._cancel = threading.Event()  # the running job's
         self._queued: tuple[Job, str] | None = None  # the job asked for while the models load, and its text
-        self.playing_until = 0.0  # perf_counter time the browser should finish playing what it was sent
 
     # ---- starting and stopping answers (any thread)
 
@@ -76,13 +67,13 @@ class TurnRunner:
             raise ValueError(f"the text is {tokens} tokens long; at most {limit} tokens are allowed")
 
     def answer_active(self) -> bool:
-        return self._worker is not None or time.perf_counter() < self.playing_until
+        return self._worker is not None or time.perf_counter() < self.audio.playing_until
 
     def interrupt(self, reason: str) -> None:
         """Barge-in: stop the answer being generated and empty the page's playback buffer."""
         if self.answer_active():
             self._cancel.set()
-            self.playing_until = 0.0
+            self.audio.playing_until = 0.0
             self.outbox.put({"type": "flush", "reason": reason})
 
     def start_turn(
@@ -161,71 +152,19 @@ class TurnRunner:
             self._cancel.set()
             self._pending = self._queued = None  # closures over this runner
             self.conv = None
-            self._audio.clear()
-
-    # ---- audio out (worker threads)
-
-    def send_audio(self, turn: int, seq: int, samples: np.ndarray, now: float, rate: int, flags: int = 0) -> int:
-        """Send one TTS chunk (at rate) as packets numbered from seq; returns the next seq."""
-        if seq == 0 and not flags & FLAG_REPLAY:
-            self._emitted_ms[turn] = now * 1000
-        # Resampled here (polyphase) rather than in the worklet, so the player only copies samples.
-        browser_rate = self.browser_rate
-        pcm = resample(samples, rate, browser_rate)
-        # A short first packet can start playing while the (much larger) rest is still in transit.
-        cut = int(FIRST_PACKET_S * browser_rate)
-        tag = REPLAY if flags & FLAG_REPLAY else None
-        for part in (pcm[:cut], pcm[cut:]):
-            if len(part):
-                self.outbox.put(pack_audio(part, turn, seq, browser_rate, now * 1000, flags), tag)
-                seq += 1
-        self.playing_until = max(self.playing_until, now) + len(samples) / rate
-        return seq
-
-    def kept_audio(self, turn: int) -> tuple[list[np.ndarray], int] | None:
-        return self._audio.get(turn)
-
-    def replay(self, turn: int, audio: list[np.ndarray], rate: int) -> None:
-        """Send a kept answer again (off the event loop: resampling a long answer takes a while)."""
-        now, seq = time.perf_counter(), 0
-        for samples in audio:
-            if self.closed:
-                return
-            seq = self.send_audio(turn, seq, samples, now, rate, FLAG_REPLAY)
+            self.audio.close()
 
     # ---- heard delay (event loop)
 
     def heard(self, turn: int, server_ms: float, received_ms: float | None, detail: dict) -> None:
         """The page heard turn's first sample at server_ms (its player got it at received_ms)."""
-        if turn not in self._emitted_ms:
+        emitted = self.audio.emitted_ms(turn)
+        if emitted is None:
             return
-        emitted = self._emitted_ms[turn]
         if received_ms is not None:  # split the delay: socket + page up to the player, then playout
             detail.update(delivery_ms=received_ms - emitted, playout_ms=server_ms - received_ms)
-        with self._lock:
-            self._heard[turn] = {
-                "heard_server_ms": server_ms,
-                "heard_delay_ms": server_ms - emitted,
-                "heard_method": detail["method"],
-                "heard_detail": detail,
-                "clock_rtt_ms": self.clock.rtt_ms,
-            }
-            timeline = self._timelines.get(turn)
-            if timeline is not None and timeline.has("speech_end"):
-                timeline.heard_ms = server_ms - timeline.marks["speech_end"] * 1000
-                self._heard[turn]["ttfa_heard_ms"] = timeline.heard_ms
-            update = self._apply_heard(turn)
+        update = self.records.heard(turn, server_ms, emitted, detail, self.clock.rtt_ms)
         self.outbox.put({"type": "heard", "turn": turn, **update})
-
-    def _apply_heard(self, turn: int) -> dict:
-        """Copy what the page reported hearing into the turn's record (whichever of the two came first)."""
-        heard = self._heard.get(turn, {})
-        update = {key: heard.get(key) for key in HEARD_KEYS}
-        record = self._by_turn.get(turn)
-        if record is not None and heard:
-            record.update(update)
-            record["timeline"]["ttfa_heard_ms"] = update["ttfa_heard_ms"]
-        return update
 
     # ---- answers (the worker thread)
 
@@ -254,12 +193,9 @@ class TurnRunner:
         }
         if not changes:
             return
-        configure = getattr(conv.llm, "configure", None)
         try:
-            if configure is None:
-                raise ValueError("this LLM stage has no drafter/K/temperature controls")
             with conv.lock:
-                configure(**changes)
+                conv.llm.configure(**changes)
             self._applied.update(changes)
         except ValueError as e:  # answer anyway, with the settings the conversation already has
             self.outbox.put({"type": "error", "message": f"settings not applied: {e}"})
@@ -279,35 +215,34 @@ class TurnRunner:
     ) -> dict | None:
         """Answer text, or with replay: that recording, replayed in real time through VAD and ASR first. With hold
         (an early answer): nothing is sent until the turn is confirmed; None when it was discarded."""
-        agent = self.host.loader.agent
-        assert agent is not None  # jobs start once the models are loaded
+        agent = self._agent()
         conv = self.conversation()
         self._apply_settings(conv)
         turn = next(self._ids)
-        self._timelines[turn] = timeline
+        self.records.timeline(turn, timeline)
         announce = {"type": "turn", "turn": turn, "kind": kind, "speculation": speculation, "transcript": text}
         if hold is None:
             self.outbox.put({**announce, **extra})
         else:
             hold.post(lambda: self.outbox.put({**announce, **extra, "early": True}))
         stream = TurnStream(
-            self.outbox.put,
-            self.send_audio,
-            lambda: self.closed,
-            turn,
-            agent.tts.sample_rate,
-            stream_audio=kind != "ab",
+            self.outbox.put, self.audio.send, lambda: self.closed, turn, agent.tts.sample_rate, kind != "ab"
         )
         if replay is None:
             result = agent.respond(conv, text, timeline, speculation, stream, cancel, remember, hold)
         else:
             result = agent.turn_from_recording(conv, replay, speculation, stream, cancel, remember)
-            self._timelines[turn] = result.timeline
+            self.records.timeline(turn, result.timeline)
         if result.discarded:
             return None
-        return self._record(turn, kind, result, getattr(conv.llm, "name", None), **extra)
+        return self._record(turn, kind, result, conv.llm.name, **extra)
 
-    def _record(self, turn: int, kind: str, result: TurnResult, llm: str | None, **extra) -> dict:
+    def _agent(self) -> VoiceAgent:
+        agent = self.host.loader.agent
+        assert agent is not None  # jobs start once the models are loaded
+        return agent
+
+    def _record(self, turn: int, kind: str, result: TurnResult, llm: str, **extra) -> dict:
         data = result.to_dict()
         data.update(
             turn=turn,
@@ -317,14 +252,8 @@ class TurnRunner:
             started_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
             **extra,
         )
-        with self._lock:
-            self._by_turn[turn] = data
-            data.update(self._apply_heard(turn))
-            self.records.append(data)
-            if result.audio and not self.closed:
-                self._audio[turn] = (result.audio, result.sample_rate)
-            while len(self._audio) > self.host.options.kept_audio_turns:
-                self._audio.pop(next(iter(self._audio)))
+        self.records.add(turn, data)
+        self.audio.keep(turn, result.audio, result.sample_rate, self.host.options.kept_audio_turns)
         self.outbox.put({"type": "done", "turn": turn, "data": data})
         return data
 
@@ -332,7 +261,7 @@ class TurnRunner:
         """Run an answer under the server-wide limit, turning failures into one message. An early answer (hold) waits
         for room until its turn ends: discarded, it goes quietly; confirmed with no room, its turn is told so."""
         slots = self.host.slots
-        if not self._take_slot(hold):
+        if not slots.acquire_for(hold):
             if hold is None or hold.state == "confirmed":  # a turn with no room, told so and not queued
                 self.outbox.put({"type": "busy", "message": slots.busy_message()})
             return
@@ -345,27 +274,16 @@ class TurnRunner:
         finally:
             slots.release()
 
-    def _take_slot(self, hold: Hold | None) -> bool:
-        """An answer slot, now or never; an early answer waits for one while its turn is undecided, as the pass at
-        the pause may hold the last one: it runs beside the answer started on the pass before it."""
-        while hold is None or hold.state != "discarded":
-            if self.host.slots.try_acquire():
-                return True
-            if hold is None or hold.state != "held":
-                return False
-            time.sleep(SLOT_RETRY_S)
-        return False
-
     def _turn_job(
         self, text: str, timeline: Timeline, kind: str, cancel: threading.Event, hold: Hold | None = None
     ) -> None:
         self._guarded(lambda: self._answer(text, timeline, self.settings["speculation"], kind, cancel, hold=hold), hold)
 
     def _ab_job(self, text: str, audio: np.ndarray | None, repeats: int, cancel: threading.Event) -> None:
+        ab = next(self._ab_ids)
+
         def run(repeat: int, speculation: bool) -> dict | None:
-            agent = self.host.loader.agent
-            assert agent is not None
-            agent.rewind(self.conversation())  # every run starts from the same KV state
+            self._agent().rewind(self.conversation())  # every run starts from the same KV state
             try:
                 return self._answer(text, Timeline(), speculation, "ab", cancel, False, audio, ab=ab, ab_repeat=repeat)
             except AudioError:
@@ -373,20 +291,5 @@ class TurnRunner:
                     return None
                 raise
 
-        def body() -> None:
-            self.outbox.put({"type": "ab_start", **head, "repeats": repeats})
-            pairs: list[dict] = []
-            for pair in paired_runs(run, range(repeats), cancel):
-                assert pair.off is not None and pair.on is not None  # a run is None only once cancelled
-                pairs.append({"repeat": pair.item, "off": _ab_run(pair.off), "on": _ab_run(pair.on)})
-                self.outbox.put({"type": "ab_progress", "ab": ab, "done": len(pairs), "repeats": repeats})
-            summary = paired_ratio([(p["off"]["ttfa_ms"], p["on"]["ttfa_ms"]) for p in pairs])
-            self.outbox.put({"type": "ab_result", **head, "pairs": pairs, "summary": summary})
-
-        ab = next(self._ab_ids)
         head = {"ab": ab, "text": text, "spoken": audio is not None}
-        self._guarded(body)
-
-
-def _ab_run(turn: dict) -> dict:
-    return {k: turn.get(k) for k in AB_RUN_KEYS}
+        self._guarded(lambda: run_ab(run, self.outbox.put, head, repeats, cancel))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from app.stats import bootstrap_ci, paired_ratio, spread
+from app.stats import bootstrap_ci, median_or_none, paired_ratio, spread
 from pipeline.agent import Conversation, VoiceAgent
 from pipeline.audio import load_audio, to_mono_16k
 from pipeline.options import add_agent_arguments, agent_config_from_args
@@ -95,6 +95,9 @@ def main(args: argparse.Namespace) -> int:
         },
         "first_chunk_tokens_per_forward_median": {
             m: statistics.median(p[m]["first_chunk_tokens_per_forward"] or 0 for p in pairs) for m in ("off", "on")
+        },
+        "chunk_handoff_ms_median": {
+            m: median_or_none([p[m]["chunk_handoff_ms"] for p in pairs]) for m in ("off", "on")
         },
         "stall_ms": {m: spread([p[m]["stall_ms"] for p in pairs]) for m in ("off", "on")},
         "turns_with_stalls": sum(p[m]["stall_ms"] > 0 for p in pairs for m in ("off", "on")),

@@ -16,9 +16,10 @@ from pipeline.options import add_engine_arguments, spec_from_args
 from specdec.bench import read_prompts, run_engine
 from specdec.build import build_engine
 from specdec.calibrate import measured_draft_seconds, measured_forward_seconds
-from specdec.engine import EngineSession, GenerationConfig
+from specdec.engine import GenerationConfig
 from specdec.kpolicy import FixedK
 from specdec.metrics import DEFINITIONS, SpecStats, expected_tokens_per_step
+from specdec.session import EngineSession
 from specdec.timing import clock
 
 DEFAULT_PROMPTS = [

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -14,24 +14,19 @@ import numpy as np
 from .asr import DEFAULT_BEAM_SIZE, DEFAULT_WINDOW_S, Transcriber
 from .audio import SAMPLE_RATE
 from .capacity import Capacity
-from .chunker import SpeechChunker
-from .listener import Notify, StartEarly, TurnListener
+from .events import AnswerDone, EventSink, Notify, Transcript
+from .listener import StartEarly, TurnListener
 from .llm import LLMStage, ReplyStats
 from .llm_provider import LLM_WARMUP_STEPS, LLMConfig, LLMProvider, provider_from_config
 from .preemptive import ChildCancel, Hold
 from .smart_turn import SmartTurn, load_smart_turn
+from .speaker import SpokenAnswer
 from .timeline import Timeline
 from .tts import TTS, make_tts
 from .turn_end import TurnEnd
 from .vad import FRAME, EndOfTurnDetector, VadEvent
 
 log = logging.getLogger("specvoice.agent")
-
-# A later chunk waits for its sentence's end unless the answer's speech out so far ends within this: a token or two
-# on this CPU, and the TTS's first samples of the chunk.
-RUN_DRY_MARGIN_S = 0.3
-# on_event(kind, payload): "transcript" str, "token" dict, "audio" np.ndarray, "chunk" str, "done" TurnResult
-EventSink = Callable[[str, object], None]
 
 
 @dataclass
@@ -78,6 +73,7 @@ class TurnResult:
             "timeline": tl,
             "first_chunk_tokens": self.timeline.first_chunk_tokens,
             "first_chunk_tokens_per_forward": tl["first_chunk_tokens_per_forward"],
+            "chunk_handoff_ms": tl["chunk_handoff_ms"],
             "tokens": self.stats.tokens,
             "tokens_per_s": self.stats.tokens_per_s,
             "draft_acceptance_rate": spec.draft_acceptance_rate if spec.proposed else None,
@@ -106,8 +102,6 @@ class Conversation:
     def prefill_soon(self, messages: list[dict[str, str]]) -> None:
         """Prefill messages (the last one the user's words so far) on a thread of its own: the latest only, and
         not while an answer holds the conversation. The mic's thread must not wait for a forward."""
-        if getattr(self.llm, "prefill_words", None) is None:
-            return  # a remote LLM: nothing cached here
         with self._prefill_lock:
             self._pending = messages
             if self._prefilling:
@@ -124,7 +118,7 @@ class Conversation:
                     return
             if self.lock.acquire(blocking=False):
                 try:
-                    self.llm.prefill_words(messages)  # type: ignore[attr-defined]
+                    self.llm.prefill_words(messages)
                 except Exception as e:  # an optimisation: the answer prefills what this did not
                     log.warning("prefill while speaking failed: %s: %s", type(e).__name__, e)
                 finally:
@@ -167,7 +161,7 @@ class VoiceAgent:
 
     def rewind(self, conv: Conversation) -> None:
         """Back to the state a paired run starts from: only the shared system-prompt prefix stays cached."""
-        self.llm.rewind(conv.llm)
+        conv.llm.rewind()
 
     def warmup(self, progress: Callable[[int], None] = lambda step: None) -> None:
         """Pay every stage's first-call costs (the VAD's native library and model, ASR buffers, TTS lexicons, the
@@ -267,7 +261,7 @@ class VoiceAgent:
             for _, thread, _ in early:
                 thread.join()
         if on_event:
-            on_event("transcript", heard.transcript)
+            on_event(Transcript(heard.transcript))
         kept = next((box[0] for hold, _, box in early if hold is heard.early), None)
         if kept is None:
             return self.respond(conv, heard.transcript, heard.timeline, speculation, on_event, cancel, remember)
@@ -286,104 +280,66 @@ class VoiceAgent:
         remember: bool = True,
         hold: Hold | None = None,
     ) -> TurnResult:
-        """Answer a transcript: LLM tokens → chunks → TTS audio, with TTS running as chunks become ready. With hold
-        (an answer started before its turn ended), nothing is sent, played or remembered until hold is confirmed,
-        and the answer stops when it is discarded."""
-        emit = on_event or (lambda kind, payload: None)
-        cancel = cancel or threading.Event()
-        if hold is not None:
-            emit = hold.wrap(emit)
-            cancel = ChildCancel(cancel)
-            hold.link(cancel)
+        """Answer a transcript: LLM tokens → chunks → TTS audio, each chunk spoken as it is ready (SpokenAnswer, on
+        this thread). With hold (an answer started before its turn ended), nothing is sent, played or remembered until
+        hold is confirmed, and the answer stops when it is discarded."""
+        emit, cancel = _held(on_event or (lambda event: None), cancel or threading.Event(), hold)
         if not timeline.has("speech_end"):  # typed input: the turn "ends" now, with no VAD or ASR stage
             now = time.perf_counter()
             for name in ("speech_end", "end_of_turn", "asr_final"):
                 timeline.mark(name, now)
-        stats = ReplyStats()
-        chunks: queue.Queue = queue.Queue()
-        answer: list[str] = []
-        failure: list[BaseException] = []
-
-        def produce() -> None:
-            chunker = SpeechChunker(self.config.first_chunk_words)
-            try:
-                messages = self.messages(conv, transcript)
-                for delta in conv.llm.stream_reply(messages, speculation, stats, cancel, end_probe=hold is not None):
-                    if hold is not None and delta.end_of_message_probability is not None:
-                        hold.end_of_message_probability = delta.end_of_message_probability
-                    timeline.mark("llm_first_token", delta.t)
-                    answer.append(delta.text)
-                    emit(
-                        "token",
-                        {
-                            "text": delta.text,
-                            "pieces": delta.pieces or [(delta.text, None)],
-                            "from_draft": delta.from_draft,
-                            "drafted": delta.drafted,
-                            "accepted": delta.accepted,
-                            "tokens": stats.tokens,
-                            "tokens_per_s": stats.tokens_per_s,
-                            "batch_size": delta.batch_size,
-                            "k_chosen": delta.k_chosen,
-                        },
-                    )
-                    running_dry = chunks.empty() and timeline.runs_dry(time.perf_counter() + RUN_DRY_MARGIN_S)
-                    for chunk in chunker.push(delta.text, running_dry):
-                        chunks.put((chunk, time.perf_counter(), stats.tokens, stats.spec.target_forwards))
-                for chunk in chunker.flush():
-                    chunks.put((chunk, time.perf_counter(), stats.tokens, stats.spec.target_forwards))
-            except BaseException as e:  # surfaced in the caller's thread below
-                failure.append(e)
-            finally:
-                chunks.put(None)
-
+        answer = SpokenAnswer(self.tts, timeline, emit, cancel, hold, self.config.first_chunk_words)
         with conv.lock:
-            producer = threading.Thread(target=produce, name="llm", daemon=True)
-            producer.start()
-            audio: list[np.ndarray] = []
-            spoken: list[str] = []
-            spoken_tokens = 0
-            while (item := chunks.get()) is not None:
-                text, released_t, tokens_so_far, forwards_so_far = item
-                if cancel.is_set():
-                    continue  # drain: the producer stops at its next step
-                if not timeline.has("first_chunk_ready"):
-                    timeline.mark("first_chunk_ready", released_t)
-                    timeline.first_chunk_tokens = tokens_so_far
-                    timeline.first_chunk_forwards = forwards_so_far
-                emit("chunk", text)
-                for samples in self.tts.stream(text):
-                    if cancel.is_set():  # checked before sending: an interrupted answer plays nothing more
-                        break
-                    timeline.first_audio_ready = timeline.first_audio_ready or time.perf_counter()
-                    if hold is not None and not hold.wait():  # an early answer plays once its turn is confirmed
-                        break
-                    timeline.audio_out(time.perf_counter(), len(samples) / self.tts.sample_rate)
-                    audio.append(samples)
-                    emit("audio", samples)
-                else:
-                    spoken.append(text)
-                    spoken_tokens = tokens_so_far
-            producer.join()
-            discarded = hold is not None and not hold.wait()
-            if failure and not discarded:
-                raise failure[0]
-            result = TurnResult(
-                speculation,
-                transcript,
-                "".join(answer).strip(),
-                " ".join(spoken),
-                timeline,
-                stats,
-                audio,
-                self.tts.sample_rate,
-                cancel.is_set(),
-                stats.tokens - spoken_tokens,
-                discarded,
+            failure: BaseException | None = None
+            deltas = conv.llm.stream_reply(
+                self.messages(conv, transcript), speculation, answer.stats, cancel, end_probe=hold is not None
             )
+            try:
+                with contextlib.closing(deltas):  # a failed TTS still lets the engine's place in the batch go
+                    answer.run(deltas)
+            except BaseException as e:  # an early answer discarded meanwhile fails quietly
+                failure = e
+            discarded = hold is not None and not hold.wait()
+            if failure is not None and not discarded:
+                raise failure
+            result = self._result(answer, transcript, timeline, speculation, cancel.is_set(), discarded)
             if remember and not discarded:
                 # History holds what the user actually heard, so the next turn's context matches reality.
                 heard = result.spoken + (" …" if result.cancelled else "")
                 conv.history += [{"role": "user", "content": transcript}, {"role": "assistant", "content": heard}]
-        emit("done", result)
+        emit(AnswerDone(result))
         return result
+
+    def _result(
+        self,
+        answer: SpokenAnswer,
+        transcript: str,
+        timeline: Timeline,
+        speculation: bool,
+        cancelled: bool,
+        discarded: bool,
+    ) -> TurnResult:
+        stats = answer.stats
+        return TurnResult(
+            speculation,
+            transcript,
+            "".join(answer.text).strip(),
+            " ".join(answer.spoken),
+            timeline,
+            stats,
+            answer.audio,
+            self.tts.sample_rate,
+            cancelled,
+            stats.tokens - answer.spoken_tokens,
+            discarded,
+        )
+
+
+def _held(emit: EventSink, cancel: threading.Event, hold: Hold | None) -> tuple[EventSink, threading.Event]:
+    """The answer's sink and cancel: an early answer's (hold) wait for its turn's confirmation, and its cancel is
+    also set when it is discarded."""
+    if hold is None:
+        return emit, cancel
+    own = ChildCancel(cancel)
+    hold.link(own)
+    return hold.wrap(emit), own

@@ -6,12 +6,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Literal
 
 import numpy as np
 
 from .asr import StreamingTranscriber, Transcriber
 from .audio import SAMPLE_RATE, AudioError
 from .capacity import Capacity
+from .events import EarlyAnswer, Notify
 from .preemptive import Hold
 from .smart_turn import SmartTurn
 from .timeline import Timeline
@@ -22,8 +24,6 @@ from .vad import FRAME_S, EndOfTurnDetector, VadEvent
 StartEarly = Callable[[str, Timeline, Hold], None]
 # prefill(words): the words heard so far (words_to_prefill) may be prefilled
 Prefill = Callable[[str], None]
-# notify(message): {"type": "early", "event": "started" | "kept" | "discarded", "text": ...}
-Notify = Callable[[dict], None]
 # Silero's last voiced frame ends ~0.1 s after the audible end, so a pass that heard all but the last 0.1 s of the
 # speech has almost always heard every word: the same transcript as a pass of all of it in 34 of 36 recordings
 # (the assets' three sets), 35 at 64 ms. An early answer starts on it while the pass of all of it runs.
@@ -212,9 +212,9 @@ class TurnListener:
             self._discarded += 1
             self._tell("discarded", hold.words)
 
-    def _tell(self, event: str, words: str) -> None:
+    def _tell(self, event: Literal["started", "kept", "discarded"], words: str) -> None:
         if self.notify is not None:
-            self.notify({"type": "early", "event": event, "text": words})
+            self.notify(EarlyAnswer(event, words))
 
     def stop(self) -> VadEvent | None:
         """The audio stopped before the VAD ended the turn (push-to-talk released, length limit): end it now."""
@@ -243,10 +243,8 @@ class TurnListener:
         timeline.mark("end_of_turn", end.decided_t)
         timeline.mark("asr_final", time.perf_counter())
         self._close_pause(None)
-        timeline.pauses = self.pauses
-        if self.turn_end.mode != "silence":
-            timeline.silence_rule_ms = self.turn_end.silence_ms
-        timeline.early_discarded = self._discarded
+        silence_rule_ms = self.turn_end.silence_ms if self.turn_end.mode != "silence" else None
+        timeline.heard_turn(self.pauses, silence_rule_ms, self._discarded)
         if not text:
             raise AudioError("speech was detected but nothing intelligible was transcribed")
         if early is None:

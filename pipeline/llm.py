@@ -9,10 +9,11 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from specdec.build import k_policy_factory
-from specdec.engine import EndProbe, EngineSession, GenerationConfig, PromptError, SpeculativeEngine
+from specdec.engine import EndProbe, GenerationConfig, PromptError, SpeculativeEngine
 from specdec.metrics import SpecStats
 from specdec.sampling import SamplingParams
 from specdec.scheduler import BatchScheduler
+from specdec.session import EngineSession
 from specdec.tokenizer import IncrementalDecoder, common_prefix_length
 
 from .turn_end import END_PUNCTUATION, unclosed
@@ -25,17 +26,19 @@ SYSTEM_PROMPT = (
 
 @dataclass
 class LLMDelta:
+    """One step of the LLM stage: its facts named as specdec.events.StepEvent names them, and the wire too."""
+
     text: str  # newly decoded text (may be empty while a multi-byte character is incomplete)
-    tokens: int  # tokens emitted in this delta
-    from_draft: list[bool]  # per token: accepted from a draft; empty when the server does not say
-    drafted: int  # draft tokens proposed for this delta's step
-    accepted: int  # of those, accepted
-    t: float  # time.perf_counter() when it was emitted
-    finish_reason: str | None = None
+    step_tokens: int  # tokens emitted this step (StepEvent.tokens, counted)
+    t: float  # time.perf_counter() when the stage yielded it
     pieces: list[tuple[str, bool | None]] = field(default_factory=list)  # per token: (text, from an accepted draft)
-    batch_size: int = 1  # metrics.DEFINITIONS["batch_size"], of this step's target forward
+    drafted: int = 0  # draft tokens proposed this step
+    accepted: int = 0  # of those, accepted
     k_chosen: int = 0  # metrics.DEFINITIONS["k_chosen"]
+    batch_size: int = 1  # metrics.DEFINITIONS["batch_size"], of this step's target forward
+    finish_reason: str | None = None
     end_of_message_probability: float | None = None  # metrics.DEFINITIONS; an early answer's first delta
+    done_t: float | None = None  # StepEvent.done_t: when the step's forward and verdict were done (None: unknown)
 
 
 @dataclass
@@ -67,6 +70,8 @@ class ReplyStats:
 
 
 class LLMStage(Protocol):
+    """What a conversation's LLM stage does for its callers (EngineLLM, the remote server's, a test's fake)."""
+
     name: str
 
     def stream_reply(
@@ -79,6 +84,26 @@ class LLMStage(Protocol):
     ) -> Iterator[LLMDelta]:
         """The reply, delta by delta. end_probe: an answer started at a pause; its first delta carries
         end_of_message_probability where the stage can read it (None elsewhere)."""
+        ...
+
+    def configure(
+        self,
+        drafter: str | None = None,
+        k: str | None = None,
+        temperature: float | None = None,
+        load_aware: bool | None = None,
+    ) -> None:
+        """The page's per-conversation controls; ValueError where the stage has none of them."""
+        ...
+
+    def prefill_words(self, messages: list[dict[str, str]]) -> None:
+        """Read the prompt up to the last message's words (the user's, still speaking) ahead of the answer; nothing
+        where the stage keeps no cache. Not concurrently with an answer."""
+        ...
+
+    def rewind(self) -> None:
+        """Back to the state a paired run starts from (only the system prompt cached); nothing where nothing is
+        kept between turns."""
         ...
 
 
@@ -109,6 +134,7 @@ class EngineLLM:
         self.sampling = sampling or SamplingParams()
         self.seed = seed
         self.session = session  # KV caches kept between this conversation's turns
+        self.rewind_to = len(session.target.tokens) if session is not None else 0  # the shared prefix, prefilled
         self._spoken_prefix: tuple[list[int], int] | None = None  # prefill_words' tokens, and where the words begin
         self.k: str | None = None  # None: the engine's default K policy
         self.load_aware = True  # batched: K capped by load (specdec/scheduler.py)
@@ -133,6 +159,11 @@ class EngineLLM:
             self.k = k
         if temperature is not None:
             self.sampling = SamplingParams(temperature, self.sampling.top_p)
+
+    def rewind(self) -> None:
+        """Only the shared system-prompt prefix (cached when this stage was made) stays cached."""
+        if self.session is not None:
+            self.session.rollback(self.rewind_to)
 
     def prompt_ids(self, messages: list[dict[str, str]], stats: ReplyStats | None = None) -> list[int]:
         """The chat prompt within prompt_room tokens, the oldest exchanges dropped first. PromptError when the
@@ -241,15 +272,15 @@ class EngineLLM:
             pieces = [(decoder.push([t]), d) for t, d in zip(ev.tokens, ev.from_draft) if t not in eos]
             text = "".join(p for p, _ in pieces)
             yield LLMDelta(
-                text=text,
-                tokens=len(ev.tokens),
-                from_draft=ev.from_draft,
-                drafted=ev.drafted,
-                accepted=ev.accepted,
-                t=now,
-                finish_reason=ev.finish_reason,
-                pieces=pieces,
-                batch_size=ev.batch_size,
-                k_chosen=ev.k_chosen,
-                end_of_message_probability=ev.end_of_message_probability,
+                text,
+                len(ev.tokens),
+                now,
+                pieces,
+                ev.drafted,
+                ev.accepted,
+                ev.k_chosen,
+                ev.batch_size,
+                ev.finish_reason,
+                ev.end_of_message_probability,
+                ev.done_t,
             )

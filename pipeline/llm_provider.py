@@ -10,9 +10,10 @@ from dataclasses import dataclass, field
 
 from specdec.build import EngineSpec, build_engine
 from specdec.cost_grid import cached_forward_costs
-from specdec.engine import EngineSession, SpeculativeEngine
+from specdec.engine import SpeculativeEngine
 from specdec.sampling import SamplingParams
 from specdec.scheduler import PREFILL_CHUNK, BatchScheduler
+from specdec.session import EngineSession
 from specdec.tokenizer import shared_prefix_ids
 
 from .llm import SYSTEM_PROMPT, EngineLLM, LLMStage, ReplyStats
@@ -39,7 +40,8 @@ class LLMConfig:
 
 
 class LLMProvider:
-    """Gives each conversation its LLM stage. engine and scheduler: the in-process engine's, else None."""
+    """Gives each conversation its LLM stage. engine and scheduler: the in-process engine's (every answer's steps run
+    on the scheduler's loop, on the compute thread), else None."""
 
     engine: SpeculativeEngine | None = None
     scheduler: BatchScheduler | None = None
@@ -49,9 +51,6 @@ class LLMProvider:
 
     def for_conversation(self) -> LLMStage:
         raise NotImplementedError
-
-    def rewind(self, llm: LLMStage) -> None:
-        """Back to the state a paired run starts from: nothing is kept between turns unless a subclass keeps it."""
 
     def warmup(self, progress: Callable[[int], None] = lambda step: None) -> None:
         """Pay the first-call costs (kernels for both LLM modes, the forward costs the load-aware K reads) before
@@ -83,15 +82,16 @@ class SharedProvider(LLMProvider):
 
 
 class EngineProvider(LLMProvider):
-    """The in-process engine: each conversation keeps its KV caches between turns, the system prompt prefilled once;
-    with config.engine.batched, every conversation's steps share the scheduler's forwards."""
+    """The in-process engine: each conversation keeps its KV caches between turns, the system prompt prefilled once.
+    Every answer's steps run on the scheduler's loop (the compute thread), so its reader speaks while the target
+    steps on; the conversations' steps share its forwards, with K chosen by load once warm-up has measured the
+    forward costs (config.engine.batched and load_aware)."""
 
     def __init__(self, config: LLMConfig) -> None:
         super().__init__(config.system_prompt)
         self.config = config
         self.engine, _ = build_engine(config.engine)
-        if config.engine.batched:  # load-aware once warmup has measured the forward costs
-            self.scheduler = BatchScheduler(self.engine, prefill_chunk=config.prefill_chunk)
+        self.scheduler = BatchScheduler(self.engine, prefill_chunk=config.prefill_chunk)
         self.shared_prefix = shared_prefix_ids(self.engine.target.tokenizer, config.system_prompt)
 
     def for_conversation(self) -> EngineLLM:
@@ -101,14 +101,8 @@ class EngineProvider(LLMProvider):
         sampling = SamplingParams(c.temperature)
         return EngineLLM(self.engine, c.max_new_tokens, sampling, c.seed, session, self.scheduler, c.prompt_tokens)
 
-    def rewind(self, llm: LLMStage) -> None:
-        """Only the shared system-prompt prefix stays cached."""
-        session = getattr(llm, "session", None)  # an EngineLLM's, or a wrapper's that passes it on
-        if session is not None:
-            session.rollback(len(self.shared_prefix))
-
     def _measure_forward_costs(self) -> None:
-        if self.scheduler is not None and self.config.engine.load_aware:
+        if self.scheduler is not None and self.config.engine.batched and self.config.engine.load_aware:
             # the ridge, measured here once per machine, model and format (~30 s), then read from the cache
             self.scheduler.costs, _ = cached_forward_costs(self.engine)
 

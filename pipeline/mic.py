@@ -18,6 +18,7 @@ import numpy as np
 from .agent import Conversation, VoiceAgent
 from .audio import SAMPLE_RATE, AudioError
 from .capacity import Capacity, NoLimit
+from .events import Busy, Failure, Info, Notify, Partial, Transcript, VoiceActivity
 from .listener import StartEarly, TurnListener
 from .preemptive import Hold
 from .timeline import Timeline
@@ -26,8 +27,6 @@ from .vad import EndOfTurnDetector, VadEvent
 
 log = logging.getLogger("specvoice.mic")
 
-# notify(message): what the user should see, {"type": "vad" | "partial" | "transcript" | "info" | "error", ...}
-Notify = Callable[[dict], None]
 # on_turn(transcript, timeline, audio, answered): a user turn, with its audio as the listener heard it; answered:
 # an early answer on these words was confirmed and is this turn's answer, else the turn still needs one
 OnTurn = Callable[[str, Timeline, np.ndarray | None, bool], None]
@@ -135,7 +134,7 @@ class MicInput:
                 else f"Microphone on/off dropped: {self.MAX_QUEUED_SWITCHES} switches are already waiting"
             )
             why = "it arrives faster than real time, or the server is behind"
-            self.notify({"type": "error", "message": f"{waiting} ({why}). What was queued before is kept."})
+            self.notify(Failure(f"{waiting} ({why}). What was queued before is kept."))
 
     def _taken(self, item: tuple) -> None:
         """item left the queue: its room is free again; a burst of drops ends once the queue has drained to half."""
@@ -165,7 +164,7 @@ class MicInput:
                     self._control(item[1], item[2])
         except Exception:
             log.exception("microphone input failed")
-            self.notify({"type": "error", "message": "Microphone processing failed; see the server log."})
+            self.notify(Failure("Microphone processing failed; see the server log."))
         finally:
             self._drop_listener()
 
@@ -179,7 +178,7 @@ class MicInput:
 
     def _control(self, active: bool, mode: str) -> None:
         if active and self.agent is None:  # the thread runs once loading is over: this means it failed
-            self.notify({"type": "error", "message": self.unavailable})
+            self.notify(Failure(self.unavailable))
             return
         if not active:
             if self.mode == "ptt" and self.listener is not None:
@@ -203,7 +202,7 @@ class MicInput:
 
     def _new_listener(self, listener: TurnListener) -> None:
         self.listener, self.fed_s, self.fed, self.partial, self.early = listener, 0.0, [], "", None
-        self.notify({"type": "vad", "event": "listening"})
+        self.notify(VoiceActivity("listening"))
 
     def _start_early(self, words: str, timeline: Timeline, hold: Hold) -> None:
         self.early = hold  # remembered: its answer's slot covers this turn's final transcription
@@ -223,7 +222,7 @@ class MicInput:
                 self.preroll.popleft()
             if not any(ev.kind == "speech_start" for ev in self.gate.feed(chunk, t_start)):
                 return
-            self.notify({"type": "vad", "event": "speech_start"})
+            self.notify(VoiceActivity("speech_start"))
             self.interrupt("barge-in")
             start_early = self._start_early if self.start_early is not None else None
             listener = self.agent.listen(
@@ -241,7 +240,7 @@ class MicInput:
                 self._end_turn(end)
                 return
             if self.fed_s > self.max_turn_s:
-                self.notify({"type": "info", "message": "Turn cut at the length limit."})
+                self.notify(Info("Turn cut at the length limit."))
                 self._end_turn(self.listener.stop())
                 return
         self._send_partial()
@@ -253,7 +252,7 @@ class MicInput:
             text = self.listener.asr.partial
             if text != self.partial:
                 self.partial = text
-                self.notify({"type": "partial", "text": text})
+                self.notify(Partial(text))
 
     def _end_turn(self, end: VadEvent | None) -> None:
         listener, self.listener = self.listener, None
@@ -263,7 +262,7 @@ class MicInput:
         if listener is None:
             return
         if end is not None:
-            self.notify({"type": "vad", "event": "end_of_turn"})
+            self.notify(VoiceActivity("end_of_turn"))
         # No speech: nothing to transcribe. An early answer still held has its slot (or is about to take one), and
         # that is this turn's: it needs no second.
         needs_slot = end is not None and not (self.early is not None and self.early.state == "held")
@@ -271,17 +270,17 @@ class MicInput:
         if needs_slot and not self.capacity.try_acquire():
             listener.close()  # its early answer, if any, is discarded
             said = f"Your {self.fed_s:.1f} s of speech was not transcribed."
-            self.notify({"type": "busy", "message": f"{self.capacity.busy_message()} {said}"})
+            self.notify(Busy(f"{self.capacity.busy_message()} {said}"))
             return
         try:
             heard = listener.finish(end)
         except AudioError as e:
-            self.notify({"type": "info", "message": f"Not answered: {e}."})
+            self.notify(Info(f"Not answered: {e}."))
             return
         finally:
             listener.close()
             if needs_slot:
                 self.capacity.release()
-        self.notify({"type": "transcript", "text": heard.transcript})
+        self.notify(Transcript(heard.transcript))
         audio = np.concatenate(self.fed) if self.fed else None
         self.on_turn(heard.transcript, heard.timeline, audio, heard.early is not None)

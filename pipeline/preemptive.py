@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Literal
+from typing import Literal, TypeVar
 
 HoldState = Literal["held", "confirmed", "discarded"]
+T = TypeVar("T")
 
 
 class ChildCancel(threading.Event):
@@ -38,6 +39,7 @@ class Hold:
         self._cond = threading.Condition()
         self._queued: list[Callable[[], None]] = []
         self._cancels: list[threading.Event] = []
+        self._watchers: list[Callable[[], None]] = []
 
     def post(self, action: Callable[[], None]) -> None:
         """Run action now if the turn is confirmed, once it is if still held, never if discarded."""
@@ -47,9 +49,9 @@ class Hold:
             elif self.state == "confirmed":
                 action()
 
-    def wrap(self, sink: Callable[[str, object], None]) -> Callable[[str, object], None]:
-        """An event sink (kind, payload) whose events are held like post()'s actions."""
-        return lambda kind, payload: self.post(lambda: sink(kind, payload))
+    def wrap(self, sink: Callable[[T], None]) -> Callable[[T], None]:
+        """An event sink whose events are held like post()'s actions."""
+        return lambda event: self.post(lambda: sink(event))
 
     def link(self, cancel: threading.Event) -> None:
         """Set cancel when the answer is discarded (at once if it already was)."""
@@ -57,6 +59,15 @@ class Hold:
             self._cancels.append(cancel)
             if self.state == "discarded":
                 cancel.set()
+
+    def on_decided(self, watcher: Callable[[], None]) -> None:
+        """Call watcher once the turn is confirmed or discarded (at once if it already is), outside the hold's lock:
+        one waiting elsewhere for something else as well (an answer slot) rechecks the state then."""
+        with self._cond:
+            if self.state == "held":
+                self._watchers.append(watcher)
+                return
+        watcher()
 
     def confirm(self) -> None:
         with self._cond:
@@ -67,6 +78,7 @@ class Hold:
                 action()
             self._queued.clear()
             self._cond.notify_all()
+        self._tell_watchers()
 
     def discard(self) -> None:
         with self._cond:
@@ -77,6 +89,12 @@ class Hold:
             for cancel in self._cancels:
                 cancel.set()
             self._cond.notify_all()
+        self._tell_watchers()
+
+    def _tell_watchers(self) -> None:
+        watchers, self._watchers = self._watchers, []
+        for watcher in watchers:
+            watcher()
 
     def wait(self) -> bool:
         """Block while the turn is undecided; True when it was confirmed."""

@@ -149,6 +149,21 @@ class OpenAICompatibleLLM:
 
     # -- the stage ----------------------------------------------------------------------------------
 
+    def configure(
+        self,
+        drafter: str | None = None,
+        k: str | None = None,
+        temperature: float | None = None,
+        load_aware: bool | None = None,
+    ) -> None:
+        raise ValueError("a remote LLM server has no drafter/K/temperature controls here")
+
+    def prefill_words(self, messages: list[dict[str, str]]) -> None:
+        """Nothing is cached here: the server reads the whole prompt with the answer."""
+
+    def rewind(self) -> None:
+        """Nothing is kept between turns here."""
+
     def stream_reply(
         self,
         messages: list[dict[str, str]],
@@ -231,9 +246,7 @@ class OpenAICompatibleLLM:
                     if text:
                         stats.add(1, now)
                         chunk_tokens += 1
-                    yield LLMDelta(
-                        text=text, tokens=n, from_draft=[], drafted=0, accepted=0, t=now, finish_reason=finish
-                    )
+                    yield LLMDelta(text, n, now, [(text, None)] if text else [], finish_reason=finish)
         except (OSError, http.client.HTTPException) as e:
             if cancel is None or not cancel.is_set():
                 raise RuntimeError(f"{url}: connection lost mid-reply: {e}") from e
@@ -241,15 +254,7 @@ class OpenAICompatibleLLM:
             done.set()
             conn.close()  # on cancel this is what tells the server to abort the request
         if cancel is not None and cancel.is_set():
-            yield LLMDelta(
-                text="",
-                tokens=0,
-                from_draft=[],
-                drafted=0,
-                accepted=0,
-                t=time.perf_counter(),
-                finish_reason="cancelled",
-            )
+            yield LLMDelta("", 0, time.perf_counter(), finish_reason="cancelled")
         elif usage and usage.get("completion_tokens") is not None:
             # The server's own count: with speculation one chunk often carries several tokens.
             stats.tokens += int(usage["completion_tokens"]) - chunk_tokens

@@ -8,6 +8,8 @@ the stages still add up, and what the early start hid is saved_ms()["preemptive"
 
 from __future__ import annotations
 
+import statistics
+import threading
 from dataclasses import dataclass, field
 
 # Marks in the order a turn passes them. TTFA runs from the first to "first_audio_out".
@@ -42,20 +44,47 @@ class Timeline:
     pauses: list[dict] = field(default_factory=list)  # the turn's pauses: signals, wait chosen and why (listener)
     played_until: float | None = None  # when the answer audio out so far ends, played from its first sample on
     stall_s: float = 0.0  # metrics.DEFINITIONS["stall_ms"], in seconds
+    chunk_handoffs_s: list[float] = field(default_factory=list)  # metrics.DEFINITIONS["chunk_handoff_ms"], each
+    # the listener's threads (mic, ASR) and the answer's stamp one turn: each write holds it
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def mark(self, name: str, t: float) -> None:
         if name not in MARKS:
             raise KeyError(f"unknown timeline mark {name!r}")
-        self.marks.setdefault(name, t)  # the first time counts
+        with self.lock:
+            self.marks.setdefault(name, t)  # the first time counts
 
     def audio_out(self, t: float, seconds: float) -> None:
         """Answer samples lasting `seconds` left the TTS at t: a listener still playing earlier ones hears them
         next, one who has run out waited t − played_until in silence (a stall)."""
         self.mark("first_audio_out", t)
-        self.last_audio_out = t
-        if self.played_until is not None and t > self.played_until:
-            self.stall_s += t - self.played_until
-        self.played_until = max(t, self.played_until or t) + seconds
+        with self.lock:
+            self.last_audio_out = t
+            if self.played_until is not None and t > self.played_until:
+                self.stall_s += t - self.played_until
+            self.played_until = max(t, self.played_until or t) + seconds
+
+    def first_chunk(self, t: float, tokens: int, forwards: int) -> None:
+        """The chunker released the first speakable text at t, after tokens from forwards target forwards."""
+        self.mark("first_chunk_ready", t)
+        with self.lock:
+            self.first_chunk_tokens, self.first_chunk_forwards = tokens, forwards
+
+    def chunk_to_tts(self, t: float, step_done_t: float | None) -> None:
+        """A chunk reached the TTS at t; the step that completed it was done at step_done_t (None: unknown)."""
+        with self.lock:
+            if step_done_t is not None:
+                self.chunk_handoffs_s.append(t - step_done_t)
+
+    def audio_ready(self, t: float) -> None:
+        """The TTS had answer samples at t (held until the turn is confirmed, for an early answer)."""
+        with self.lock:
+            self.first_audio_ready = self.first_audio_ready or t
+
+    def heard_turn(self, pauses: list[dict], silence_rule_ms: float | None, early_discarded: int) -> None:
+        """The listener's facts of the turn, at its end (an early answer may be stamping the same timeline)."""
+        with self.lock:
+            self.pauses, self.silence_rule_ms, self.early_discarded = pauses, silence_rule_ms, early_discarded
 
     def runs_dry(self, by: float) -> bool:
         """The answer's audio out so far ends by time `by`: without more text soon the listener hears a stall.
@@ -102,8 +131,10 @@ class Timeline:
         return saved
 
     def to_dict(self) -> dict:
-        t0 = self.marks.get("speech_end")
-        rel = {k: (v - t0) * 1000 for k, v in self.marks.items()} if t0 is not None else {}
+        with self.lock:
+            marks = dict(self.marks)
+        t0 = marks.get("speech_end")
+        rel = {k: (v - t0) * 1000 for k, v in marks.items()} if t0 is not None else {}
         return {
             "ttfa_ms": self.ttfa_ms,
             "ttfa_heard_ms": self.heard_ms,
@@ -111,6 +142,7 @@ class Timeline:
             "marks_ms": rel,  # each mark relative to speech_end
             "last_audio_out_ms": (self.last_audio_out - t0) * 1000 if (t0 and self.last_audio_out) else None,
             "stall_ms": self.stall_s * 1000,
+            "chunk_handoff_ms": statistics.median(self.chunk_handoffs_s) * 1000 if self.chunk_handoffs_s else None,
             "first_chunk_tokens": self.first_chunk_tokens,
             "first_chunk_tokens_per_forward": (
                 self.first_chunk_tokens / self.first_chunk_forwards if self.first_chunk_forwards else None

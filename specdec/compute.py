@@ -34,10 +34,30 @@ def run(fn: Callable[[], T]) -> T:
     would wait for itself."""
     if threading.current_thread() is _thread:
         return fn()
+    return submit(fn).result()
+
+
+def submit(fn: Callable[[], T]) -> Future[T]:
+    """fn() queued for the compute thread, not waited for: its Future."""
     _start()
     done: Future[T] = Future()
     _jobs.put((fn, torch.get_num_threads(), done))
-    return done.result()
+    return done
+
+
+def serve_pending() -> None:
+    """Run the jobs queued so far, here on the compute thread: a long job (the batch scheduler's loop) calls this
+    between its steps, so that the others' forwards (a prefill while the user speaks) wait one step, not the loop."""
+    assert threading.current_thread() is _thread, "serve_pending runs on the compute thread"
+    threads = torch.get_num_threads()
+    while True:
+        try:
+            job = _jobs.get_nowait()
+        except queue.Empty:
+            break
+        _serve_one(*job)
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
 
 
 def _start() -> None:
@@ -50,13 +70,16 @@ def _start() -> None:
 
 def _serve() -> None:
     while True:
-        fn, threads, done = _jobs.get()
-        if torch.get_num_threads() != threads:  # torch.set_num_threads holds for the thread that calls it
-            torch.set_num_threads(threads)
-        try:
-            done.set_result(fn())
-        except BaseException as e:  # the caller re-raises it; this thread serves the next job
-            done.set_exception(e)
+        _serve_one(*_jobs.get())
+
+
+def _serve_one(fn: Callable[[], object], threads: int, done: Future) -> None:
+    if torch.get_num_threads() != threads:  # torch.set_num_threads holds for the thread that calls it
+        torch.set_num_threads(threads)
+    try:
+        done.set_result(fn())
+    except BaseException as e:  # the caller re-raises it; this thread serves the next job
+        done.set_exception(e)
 
 
 def release_workers() -> None:

@@ -24,6 +24,7 @@ class StepEvent:
     finish_reason: str | None = None  # "eos", "length", "context", "cancelled" on the last event
     batch_size: int = 1  # sequences that shared this target forward (continuous batching)
     end_of_message_probability: float | None = None  # metrics.DEFINITIONS; first step of a probed answer only
+    done_t: float | None = None  # time.perf_counter() when its forward and verdict were done (the compute thread)
 
     @property
     def drafted(self) -> int:

@@ -77,6 +77,9 @@ DEFINITIONS: dict[str, str] = {
     "first_chunk_tokens_per_forward": "a voice turn: the tokens emitted up to the release of the first spoken chunk "
     "÷ the target forwards that emitted them, the prefill's forward included (what a listener waits for: each "
     "forward saved there comes off TTFA); bench-voice reports the median per mode",
+    "chunk_handoff_ms": "a voice turn: from the end of the target step whose tokens completed a spoken chunk to that "
+    "chunk reaching the TTS, the median over the turn's chunks (the threads and queues between the LLM and the TTS, "
+    "and the TTS still speaking the chunk before); bench-voice reports the median per mode",
     "end_of_message_probability": "the target's probability that the user's message ends after the words heard up "
     "to a pause: P(next token ends the message, or is a closing . ? !) at the last word's position (the words "
     "without the punctuation Whisper closes them with), read from the early answer's first forward, which feeds "

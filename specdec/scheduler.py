@@ -13,9 +13,11 @@ import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+from . import compute
 from .cost_grid import ForwardCosts
-from .engine import Answer, EngineSession, GenerationConfig, SpeculativeEngine, StepEvent, catch_up
+from .engine import Answer, GenerationConfig, SpeculativeEngine, StepEvent
 from .metrics import SpecStats
+from .session import EngineSession, catch_up
 
 
 @dataclass
@@ -120,7 +122,8 @@ PREFILL_CHUNK = 256
 
 
 class BatchScheduler:
-    """Runs every answer streamed through it on one thread, one batched target forward per step.
+    """Runs every answer streamed through it on the compute thread (specdec/compute.py), one batched target forward
+    per step; its loop is a compute job that serves the other jobs between steps, and ends when no answer is left.
 
     costs: measured forward costs; given, K per answer is chosen by load (choose_ks, capped by the answer's own K
     policy), else each answer drafts what its K policy says. prefill_chunk: a prompt longer than this is read this
@@ -141,8 +144,8 @@ class BatchScheduler:
         self.prefill_chunk = prefill_chunk
         self._running: list[_Running] = []
         self._joining: list[_Running] = []
-        self._lock = threading.Lock()  # guards _joining and _thread
-        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # guards _joining and _looping
+        self._looping = False  # the loop is queued or running on the compute thread
         # What answers' steps brought so far: one estimate for their opening steps, one for the steps after.
         self._opening_prior = LoadEstimate.geometric(self.ALPHA_PRIOR, decay=0.95)
         self._prior = LoadEstimate.geometric(self.ALPHA_PRIOR, decay=0.95)
@@ -155,16 +158,16 @@ class BatchScheduler:
         stats: SpecStats | None = None,
         session: EngineSession | None = None,
     ) -> Iterator[StepEvent]:
-        """SpeculativeEngine.stream's contract; the steps run on the scheduler's thread, batched with the others."""
+        """SpeculativeEngine.stream's contract; the steps run on the compute thread, batched with the others'."""
         answer = self.engine.new_answer(prompt_ids, config, session, cancel, stats)  # a bad prompt fails here
         return self._read(_Running(answer, self._opening_prior.copy(decay=0.7)))
 
     def _read(self, run: _Running) -> Iterator[StepEvent]:
         with self._lock:
             self._joining.append(run)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="batch-scheduler", daemon=True)
-                self._thread.start()
+            if not self._looping:
+                self._looping = True
+                compute.submit(self._loop)
         try:
             while True:
                 event = run.events.get()
@@ -185,10 +188,11 @@ class BatchScheduler:
         while True:
             with self._lock:
                 if not self._running and not self._joining:
-                    self._thread = None  # idle: the next answer starts a new one (no thread left per scheduler)
+                    self._looping = False  # idle: the compute thread serves other jobs; the next answer loops again
                     return
                 self._running += self._joining
                 self._joining = []
+            compute.serve_pending()
             try:
                 self._step()
             except Exception as e:  # a bug must end the answers it hit, never the thread every answer waits on

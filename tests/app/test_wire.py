@@ -26,6 +26,7 @@ from app.protocol import (
     unpack_audio,
 )
 from pipeline.options import agent_config_from_args
+from pipeline.preemptive import Hold
 from pipeline.timeline import STAGES
 from tests.support.browser import gated_build, running_app
 
@@ -159,6 +160,36 @@ def test_answer_slots_refuse_rather_than_queue():
     assert slots.try_acquire()
     with pytest.raises(ValueError):
         AnswerSlots(0)
+
+
+def test_an_early_answer_waits_for_a_slot_while_its_turn_is_undecided():
+    """Woken by the slot's release or the turn's decision (a condition, not a poll)."""
+    slots = AnswerSlots(1)
+    assert slots.try_acquire()
+    results: list[bool] = []
+
+    def wait_for(hold: Hold) -> threading.Thread:
+        thread = threading.Thread(target=lambda: results.append(slots.acquire_for(hold)))
+        thread.start()
+        return thread
+
+    freed = wait_for(Hold("freed"))
+    slots.release()  # the slot goes to the waiting early answer
+    freed.join(10)
+    assert results == [True] and not slots.try_acquire()
+    for decide, expected in ((Hold.confirm, False), (Hold.discard, False)):
+        hold = Hold("undecided")
+        thread = wait_for(hold)
+        decide(hold)  # confirmed with no room: told busy; discarded: goes quietly
+        thread.join(10)
+        assert not thread.is_alive() and results[-1] is expected
+    slots.release()
+    gone = Hold("gone")
+    gone.discard()
+    assert not slots.acquire_for(gone) and slots.acquire_for(None)  # a discarded answer takes no free slot
+    slots.release()
+    with pytest.raises(ValueError, match="more often"):
+        slots.release()
 
 
 def fake_turn(turn: int, speculation: bool, ttfa: float, **extra) -> dict:

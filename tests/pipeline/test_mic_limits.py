@@ -7,6 +7,7 @@ import time
 
 import numpy as np
 
+from app.wire import notice_message
 from pipeline.audio import SAMPLE_RATE
 from pipeline.listener import HeardTurn
 from pipeline.mic import MicInput
@@ -108,7 +109,7 @@ class Mic:
         self.messages: list[dict] = []
         self.turns: list[tuple[str, bool]] = []
         self.input = MicInput(
-            self.messages.append,
+            lambda notice: self.messages.append(notice_message(notice)),  # as the page gets it
             lambda reason: None,
             lambda text, timeline, audio, answered: self.turns.append((text, answered)),
             max_turn_s,

@@ -13,6 +13,7 @@ import pytest
 from pipeline.agent import AgentConfig, VoiceAgent
 from pipeline.asr import Transcriber
 from pipeline.audio import AudioError
+from pipeline.events import AnswerDone, AnswerStep, Audio, Chunk
 from pipeline.llm_provider import SharedProvider
 from pipeline.timeline import MARKS, STAGES, Timeline
 from pipeline.turn_end import TurnEnd
@@ -62,13 +63,13 @@ def test_typed_turn_streams_in_order_and_fills_timeline():
     conv = agent.new_conversation()
     events = []
     result = agent.respond(
-        conv, "What is the capital of France?", Timeline(), True, on_event=lambda kind, payload: events.append(kind)
+        conv, "What is the capital of France?", Timeline(), True, on_event=lambda event: events.append(type(event))
     )
     d = result.to_dict()
     assert d["answer"].startswith("Sure, the capital") and d["spoken"] == d["answer"]
     assert set(d["stages"]) == set(STAGES) and math.isclose(sum(d["stages"].values()), d["ttfa_ms"])
     assert d["first_chunk_tokens"] < len(llm.words)  # audio started before the answer was complete
-    assert events.index("token") < events.index("chunk") < events.index("audio") < events.index("done")
+    assert events.index(AnswerStep) < events.index(Chunk) < events.index(Audio) < events.index(AnswerDone)
     assert agent.tts.spoken[0] == "Sure, the capital"  # the first chunk is cut early: 3 words by default
     assert conv.history[-1] == {"role": "assistant", "content": d["answer"]}
 
@@ -78,7 +79,7 @@ def test_a_turn_reports_its_first_chunks_tokens_per_forward(tiny_engine):
     the prefill's included; None from an LLM stage that counts no forwards."""
     from pipeline.llm import EngineLLM
     from specdec.build import build_engine
-    from specdec.engine import EngineSession
+    from specdec.session import EngineSession
 
     engine, _ = build_engine(tiny_engine.spec)
     llm = EngineLLM(engine, 24, session=EngineSession(engine))
@@ -139,8 +140,8 @@ def test_barge_in_cancels_llm_and_tts_and_keeps_history_consistent():
     conv = agent.new_conversation()
     cancel = threading.Event()
 
-    def on_event(kind, payload):
-        if kind == "audio":
+    def on_event(event):
+        if isinstance(event, Audio):
             cancel.set()  # the user starts talking as soon as the agent does
 
     t0 = time.perf_counter()
@@ -180,6 +181,33 @@ def test_tiny_engine_turn_runs_the_speculative_path(tiny_engine):
     agent = VoiceAgent(AgentConfig(engine=tiny_engine.spec, max_new_tokens=24), transcriber=NoASR(), tts=FakeTTS())
     result = agent.respond(agent.new_conversation(), "hello", Timeline(), True)
     assert result.stats.tokens > 0 and result.stats.spec.proposed > 0
+
+
+def test_a_token_crosses_the_compute_thread_and_the_answers_own(tiny_engine):
+    """The engine's steps run on the compute thread (the scheduler's loop), and the answer's reader chunks and speaks
+    on the thread that asked for it: no thread or queue of chunks between them (the app's event loop is the third)."""
+    seen: dict[str, set] = {"step": set(), "tts": set(), "sink": set(), "new": set()}
+    me = threading.current_thread()
+
+    class Watching(FakeTTS):
+        def stream(self, text):
+            seen["tts"].add(threading.current_thread())
+            seen["new"] |= set(threading.enumerate()) - before
+            yield from super().stream(text)
+
+    agent = VoiceAgent(AgentConfig(engine=tiny_engine.spec, max_new_tokens=24), transcriber=NoASR(), tts=Watching())
+    engine = agent.llm.engine
+    assert engine is not None
+    step = engine._step
+    engine._step = lambda *a: seen["step"].add(threading.current_thread().name) or step(*a)
+    conv = agent.new_conversation()
+    before = set(threading.enumerate())
+    result = agent.respond(
+        conv, "hello", Timeline(), True, on_event=lambda event: seen["sink"].add(threading.current_thread())
+    )
+    assert result.spoken and seen["step"] == {"compute"} and seen["tts"] == {me} and seen["sink"] == {me}
+    assert {t.name for t in seen["new"]} <= {"compute"}  # nothing started for this answer but, once, that thread
+    assert result.to_dict()["timeline"]["chunk_handoff_ms"] >= 0
 
 
 @pytest.mark.models

@@ -11,13 +11,14 @@ import pytest
 from commands.bench_server import wait_until
 from pipeline.agent import AgentConfig, VoiceAgent
 from pipeline.audio import SAMPLE_RATE
+from pipeline.events import AnswerDone, Audio, Transcript
 from pipeline.llm import EngineLLM, ReplyStats
 from pipeline.llm_provider import SharedProvider
 from pipeline.preemptive import ChildCancel, Hold
 from pipeline.timeline import STAGES, Timeline
 from pipeline.turn_end import PauseSignals, TurnEnd, how_finished
 from specdec.build import build_engine
-from specdec.engine import EngineSession
+from specdec.session import EngineSession
 from tests.support.fakes import FakeTTS, ScriptedLLM
 from tests.support.speech import needs_espeak, speak
 
@@ -91,16 +92,16 @@ def test_turn_end_waits_by_words_or_by_silence():
 def test_hold_releases_in_order_on_confirm_and_nothing_on_discard():
     sent, cancel = [], threading.Event()
     kept = Hold("hi")
-    sink = kept.wrap(lambda kind, payload: sent.append((kind, payload)))
-    sink("token", 1)
+    sink = kept.wrap(sent.append)
+    sink(("token", 1))
     kept.post(lambda: sent.append(("turn", 0)))
     assert sent == []  # held
     kept.confirm()
-    sink("token", 2)
+    sink(("token", 2))
     assert sent == [("token", 1), ("turn", 0), ("token", 2)] and kept.wait()
     thrown = Hold("hi")
     thrown.link(cancel)
-    thrown.wrap(lambda kind, payload: sent.append((kind, payload)))("audio", 3)
+    thrown.wrap(sent.append)(("audio", 3))
     thrown.discard()
     thrown.post(lambda: sent.append(("late", 4)))
     thrown.confirm()  # too late: a discarded answer stays discarded
@@ -226,11 +227,11 @@ def test_a_pause_after_unfinished_words_does_not_end_the_turn_and_its_early_answ
     asr = ScriptedASR([(ends[0] - 0.3, "What is the capital of"), (ends[2] - 0.1, "What is the capital of Canada?")])
     agent, llm = agent_with(asr)
     conv, events = agent.new_conversation(), []
-    result = agent.turn_from_recording(conv, audio, True, on_event=lambda kind, payload: events.append(kind))
+    result = agent.turn_from_recording(conv, audio, True, on_event=lambda event: events.append(type(event)))
     assert result.transcript == "What is the capital of Canada?"  # the turn was not cut at "of"
     assert [m[-1]["content"] for m in llm.seen_messages] == ["What is the capital of", result.transcript]
     assert result.timeline.early_discarded == 1  # started at the pause, thrown away when speech went on
-    assert events.count("done") == 1 and events.count("transcript") == 1 and not result.discarded
+    assert events.count(AnswerDone) == 1 and events.count(Transcript) == 1 and not result.discarded
     assert [m["content"] for m in conv.history] == [result.transcript, result.answer]  # nothing of the early one
     assert result.timeline.early_start is not None  # the final words were answered early too, and kept
     assert result.to_dict()["saved_ms"]["preemptive"] >= 0
@@ -271,8 +272,8 @@ def test_a_barge_in_during_an_early_answer_stops_it_like_any_answer():
     agent, llm = agent_with(asr, answer=" ".join(f"word{i}." for i in range(200)))
     cancel = threading.Event()
 
-    def on_event(kind, payload):
-        if kind == "audio":
+    def on_event(event):
+        if isinstance(event, Audio):
             cancel.set()  # the user talks over the first audio
 
     conv = agent.new_conversation()

@@ -7,8 +7,9 @@ import threading
 
 import pytest
 
-from specdec.engine import EngineSession, GenerationConfig, collect
+from specdec.engine import GenerationConfig, collect
 from specdec.scheduler import BatchScheduler
+from specdec.session import EngineSession
 from tests.support.engine import WORDS, draft_factory, heads_engine, make_engine, target_only, tiny_prompts
 
 CHUNK = 16

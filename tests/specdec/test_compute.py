@@ -12,9 +12,10 @@ import torch
 
 from commands.bench_server import wait_until
 from specdec import compute
-from specdec.engine import EngineSession, GenerationConfig, collect
+from specdec.engine import GenerationConfig, collect
 from specdec.runner import BatchRunner
 from specdec.scheduler import BatchScheduler
+from specdec.session import EngineSession
 from tests.support.engine import cpu_only, draft_factory, heads_engine, make_engine, tiny_prompts
 
 

@@ -17,10 +17,11 @@ from specdec import engine as engine_module
 from specdec import sampling
 from specdec.build import build_engine, k_policy_factory
 from specdec.drafters import DraftModelDrafter, NGramDrafter
-from specdec.engine import EngineSession, GenerationConfig, SpeculativeEngine, collect
+from specdec.engine import GenerationConfig, SpeculativeEngine, collect
 from specdec.models import build_tiny_random
 from specdec.runner import BatchRunner
 from specdec.sampling import SamplingParams, logits_to_probs
+from specdec.session import EngineSession
 from tests.support.engine import heads_engine
 from tests.support.stats import chi2_pvalue
 

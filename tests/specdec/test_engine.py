@@ -213,7 +213,7 @@ def test_fastest_min_feed_picks_the_faster_width(tiny_engine, monkeypatch, one_r
 
 
 def test_session_reuses_prefix_and_stays_lossless(tiny_engine):
-    from specdec.engine import EngineSession
+    from specdec.session import EngineSession
     from specdec.tokenizer import shared_prefix_ids
 
     target, draft = tiny_engine.models
@@ -236,7 +236,7 @@ def test_session_reuses_prefix_and_stays_lossless(tiny_engine):
 
 def test_session_with_prompt_already_cached_stays_lossless(tiny_engine):
     """A repeated turn finds its whole prompt cached; verification must still line up its logits."""
-    from specdec.engine import EngineSession
+    from specdec.session import EngineSession
 
     target, draft = tiny_engine.models
     engine = make_engine(target, draft_factory(draft), "4")
@@ -249,7 +249,7 @@ def test_session_with_prompt_already_cached_stays_lossless(tiny_engine):
 
 
 def test_draft_model_crashing_inside_its_forward_leaves_a_usable_session(tiny_engine):
-    from specdec.engine import EngineSession
+    from specdec.session import EngineSession
 
     target, draft = tiny_engine.models
 

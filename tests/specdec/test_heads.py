@@ -12,7 +12,7 @@ import torch
 from commands import cli
 from specdec.build import build_engine
 from specdec.corpus import read_rows, write_rows
-from specdec.engine import EngineSession, GenerationConfig, collect
+from specdec.engine import GenerationConfig, collect
 from specdec.heads_data import corpus_dataset, load_shards, read_sequences, shard_path, teacher_forced
 from specdec.heads_drafter import HeadsDrafter
 from specdec.heads_file import load_heads, read_heads, save_heads
@@ -28,6 +28,7 @@ from specdec.heads_train import (
 )
 from specdec.runner import BatchRunner
 from specdec.sampling import SamplingParams
+from specdec.session import EngineSession
 from tests.support.engine import TINY_FUSE, WORDS, heads_engine, tiny_prompts
 
 

@@ -8,14 +8,16 @@ import threading
 import pytest
 import torch
 
+from specdec import compute
 from specdec.cost_grid import ForwardCosts, cached_forward_costs, cached_min_feed, measure_forward_costs
 from specdec.drafters import DraftModelDrafter, Proposal
-from specdec.engine import EngineSession, GenerationConfig, StepEvent, collect
+from specdec.engine import GenerationConfig, StepEvent, collect
 from specdec.kv import PENDING
 from specdec.metrics import expected_tokens_per_step
 from specdec.runner import BatchRunner, Feed
 from specdec.sampling import SamplingParams
 from specdec.scheduler import OPENING_STEPS, BatchScheduler, LoadEstimate, choose_ks
+from specdec.session import EngineSession
 from tests.support.engine import draft_factory, heads_engine, make_engine, target_only, tiny_prompts
 
 
@@ -376,17 +378,47 @@ def test_an_unexpected_failure_ends_the_answers_in_the_step_not_the_scheduler(ti
     assert collect(scheduler.stream(prompt, GenerationConfig(5)))[0] == target_only(target, prompt, 5)
 
 
-def test_the_scheduler_thread_ends_when_idle_and_starts_again(tiny_engine):
+def test_the_scheduler_loops_on_the_compute_thread_and_ends_when_idle(tiny_engine):
+    """No thread of its own: the steps run on the compute thread, and the loop ends once no answer is left (bench-load
+    makes a scheduler per window), then starts again for the next answer."""
     target, draft = tiny_engine.models
-    scheduler = BatchScheduler(batched_engine(target, draft_factory(draft)))
+    engine = batched_engine(target, draft_factory(draft))
+    scheduler = BatchScheduler(engine)
+    threads = []
+    step = engine._step
+    engine._step = lambda *a: threads.append(threading.current_thread().name) or step(*a)
     prompt = tiny_prompts(target, 1, seed=21)[0]
     for _ in range(2):
         assert collect(scheduler.stream(prompt, GenerationConfig(5)))[0] == target_only(target, prompt, 5)
-        for _ in range(200):  # no idle thread is left behind per scheduler (bench-load makes one per window)
-            if scheduler._thread is None:
-                break
-            threading.Event().wait(0.01)
-        assert scheduler._thread is None
+        compute.run(lambda: None)  # queued after the last step: served once the loop has returned
+        assert not scheduler._looping
+    assert threads and set(threads) == {"compute"}
+
+
+def test_the_scheduler_serves_other_compute_jobs_between_its_steps(tiny_engine):
+    """A prefill asked for while an answer runs waits one step, not the whole answer."""
+    target, draft = tiny_engine.models
+    engine = batched_engine(target, draft_factory(draft))
+    scheduler = BatchScheduler(engine)
+    steps: list[int] = []
+    served: list[int] = []
+    step = engine._step
+
+    def counted(*a):
+        steps.append(1)
+        if len(steps) == 1:  # another thread asks for compute during the first step
+            threading.Thread(target=lambda: compute.run(lambda: served.append(len(steps)))).start()
+            for _ in range(200):
+                if compute._jobs.qsize():
+                    break
+                threading.Event().wait(0.01)
+        return step(*a)
+
+    engine._step = counted
+    prompt = tiny_prompts(target, 1, seed=22)[0]
+    tokens, events = collect(scheduler.stream(prompt, GenerationConfig(6)))
+    assert tokens == target_only(target, prompt, 6)
+    assert len(events) > 1 and served == [1]  # right after the first step
 
 
 class OpeningMisser:

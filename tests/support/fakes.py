@@ -23,6 +23,15 @@ class ScriptedLLM:
         self.end_of_message_probability = end_of_message_probability
         self.seen_messages: list[list[dict]] = []
 
+    def configure(self, drafter=None, k=None, temperature=None, load_aware=None):
+        raise ValueError("this LLM stage has no drafter/K/temperature controls")
+
+    def prefill_words(self, messages):
+        pass
+
+    def rewind(self):
+        pass
+
     def stream_reply(self, messages, speculation, stats, cancel=None, end_probe=False):
         self.seen_messages.append(messages)
         for i, word in enumerate(self.words):
@@ -32,7 +41,8 @@ class ScriptedLLM:
             now = time.perf_counter()
             stats.add(1, now)
             end = self.end_of_message_probability if end_probe and not i else None
-            yield LLMDelta((" " if i else "") + word, 1, [bool(i % 2)], 1, i % 2, now, end_of_message_probability=end)
+            text = (" " if i else "") + word
+            yield LLMDelta(text, 1, now, [(text, bool(i % 2))], 1, i % 2, end_of_message_probability=end)
 
 
 class FakeTTS:
