@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from pipeline.agent import AgentConfig, VoiceAgent, make_transcriber
 from pipeline.tts import make_tts
-from specdec.quant import prepack_cache
+from specdec.quant_cache import early_packing
 
 from . import page
 
@@ -41,11 +41,11 @@ class ModelLoader:
         self.load_s: float | None = None
 
     def prepack(self) -> None:
-        """Start packing the target's cached int8 layers now (specdec.quant.prepack_cache): C++ work that holds no
-        GIL, so it runs beside the page's build on the other core. The load takes the layers when it gets there."""
+        """Start packing the target's cached int8 layers now (specdec.quant_cache.early_packing): C++ work that holds
+        no GIL, so it runs beside the page's build on the other core. The load takes the layers when it gets there."""
         if not self.config.llm_url:
             engine = self.config.engine
-            prepack_cache(engine.target, engine.target_quant, engine.dtype)
+            early_packing.start(engine.target, engine.target_quant, engine.dtype)
 
     def start(self) -> None:
         self.t0 = self._step_t0 = time.perf_counter()

@@ -42,7 +42,8 @@ from specdec.corpus import (
 )
 from specdec.cost_grid import cpu_name
 from specdec.models import LoadedModel, asset_path, load_model, log
-from specdec.quant import TARGET_QUANTS, cpu_has_amx
+from specdec.quant import TARGET_QUANTS
+from specdec.quant_layers import cpu_has_amx
 from specdec.runner import BatchRunner
 
 FOLDER = asset_path("corpus")

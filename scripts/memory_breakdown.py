@@ -247,7 +247,7 @@ def main() -> int:
     )
 
     # the steps inside the LLM's build
-    for name in ("prepack_cache", "load_model", "heads_drafter_factory", "quantize_target", "cached_min_feed"):
+    for name in ("load_model", "heads_drafter_factory", "quantize_target", "cached_min_feed"):
         wrap(build_mod, name, f"engine: {name}")
     wrap(build_mod, "BatchRunner", "engine: BatchRunner")
     wrap(build_mod.compute, "release_workers", "engine: release_workers")
@@ -261,6 +261,8 @@ def main() -> int:
     if not opts.no_prepack:
         server.loader.prepack()
         mark("loader.prepack() started")
+    # wrapped after the loader's own call: the object is one, and only the build's call is the engine's step
+    wrap(build_mod.early_packing, "start", "engine: early_packing.start")
     if not opts.no_page:
         server.build_app()
         mark("page: build_app (Gradio)")

@@ -25,14 +25,10 @@ from .models import (
     memory_bytes,
     release_free_memory,
 )
-from .quant import (
-    CALIBRATION_TEXT,
-    prepack_cache,
-    quantize_linears,
-    quantized_cache_path,
-    replace_linears,
-    w8a8_layer,
-)
+from .quant import quantize_linears, replace_linears
+from .quant_cache import early_packing, quantized_cache_path
+from .quant_layers import w8a8_layer
+from .quant_smooth import CALIBRATION_TEXT
 from .runner import BatchRunner
 
 
@@ -211,7 +207,8 @@ def build_engines(
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {spec.dtype!r}")
     heads = {name: path for name in drafts if (path := heads_path(name, spec)) is not None}
     models = [d for d in drafts if d not in NOT_MODELS and d not in heads]
-    prepack_cache(spec.target, spec.target_quant, spec.dtype)  # packs while transformers imports and the model loads
+    # packs while transformers imports and the model loads
+    early_packing.start(spec.target, spec.target_quant, spec.dtype)
     check_memory(estimate_pair_bytes([spec.target, *models], dtype), torch.device(spec.device))
     target = load_model(spec.target, dtype, spec.device)
     factories: dict[str, Callable[[], Drafter] | None] = {"none": None, "ngram": lambda: NGramDrafter(target.device)}

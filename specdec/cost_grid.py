@@ -20,7 +20,7 @@ import torch
 from .engine import SpeculativeEngine
 from .kv import Feed
 from .models import cache_dir
-from .quant import CALIBRATION_TEXT
+from .quant_smooth import CALIBRATION_TEXT
 from .runner import BatchRunner, fastest_min_feed
 from .timing import median_seconds
 

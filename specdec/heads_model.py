@@ -12,7 +12,8 @@ logits for token j + 1). Two kinds, chosen between by measurement (docs/results.
 - medusa (Medusa-style): one residual block per future position over the last true feature, all in one step.
 
 The heads never decide what is emitted: the target verifies every draft, so output stays the target's. The file
-format is heads_file.py, drafting heads_drafter.py, the data heads_data.py, training heads_train.py.
+format is heads_file.py, drafting heads_drafter.py, the data heads_data.py, the losses heads_loss.py, training
+heads_train.py.
 """
 
 from __future__ import annotations

@@ -19,7 +19,8 @@ import torch
 from . import compute
 from .attention import causal_attention, rotate, row_attention
 from .kv import PENDING, Feed, SequenceCache
-from .quant import fused_layer, keep_int8_matmul_eager
+from .quant_fuse import fused_layer
+from .quant_layers import keep_int8_matmul_eager
 from .timing import median_seconds
 
 if TYPE_CHECKING:
@@ -167,7 +168,7 @@ def kept_rows(states: dict[int, torch.Tensor], layers: tuple[int, ...], rows: sl
 def layer_parts(layer: Any, n_heads: int, kv_heads: int, head_dim: int) -> tuple[Callable, Callable]:
     """A decoder layer's dense halves around attention, each of fixed shape for a given number of rows (what
     torch.compile can take): norm → q, k, v projections → rotary; and o_proj → residual → norm → MLP → residual.
-    Layers fused by w8a8 (quant.FUSED_GROUPS) run once, their output split."""
+    Layers fused by w8a8 (quant_fuse.FUSED_GROUPS) run once, their output split."""
     attn, mlp = layer.self_attn, layer.mlp
     qkv = fused_layer(attn.q_proj, attn.k_proj, attn.v_proj)
     gate_up = fused_layer(mlp.gate_proj, mlp.up_proj)

@@ -16,16 +16,9 @@ from specdec.engine import GenerationConfig, collect
 from specdec.heads_data import corpus_dataset, load_shards, read_sequences, shard_path, teacher_forced
 from specdec.heads_drafter import HeadsDrafter
 from specdec.heads_file import load_heads, read_heads, save_heads
+from specdec.heads_loss import eagle_predictions, make_batch
 from specdec.heads_model import DraftHeads, EagleCache
-from specdec.heads_train import (
-    TrainConfig,
-    eagle3_layers,
-    eagle_predictions,
-    heads_config,
-    make_batch,
-    simulated_acceptance,
-    train_heads,
-)
+from specdec.heads_train import TrainConfig, eagle3_layers, heads_config, simulated_acceptance, train_heads
 from specdec.runner import BatchRunner
 from specdec.sampling import SamplingParams
 from specdec.session import EngineSession

@@ -11,7 +11,8 @@ import torch
 
 from specdec.build import build_engine
 from specdec.models import build_tiny_random
-from specdec.quant import quantize_linears, w8a8_layer
+from specdec.quant import quantize_linears
+from specdec.quant_layers import w8a8_layer
 from tests.support.engine import cpu_only
 
 

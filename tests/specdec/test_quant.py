@@ -6,22 +6,27 @@ import torch
 
 from specdec.build import build_engine
 from specdec.engine import GenerationConfig, collect
-from specdec.quant import (
-    TARGET_QUANTS,
-    Int4WeightLinear,
-    Int8RowLinear,
-    Int8RowLinearFbgemm,
-    Int8WeightLinear,
-    fused_layer,
-    quantize_linears,
-    quantized_cache_path,
+from specdec.quant import TARGET_QUANTS, quantize_linears
+from specdec.quant_cache import quantized_cache_path
+from specdec.quant_fuse import fused_layer
+from specdec.quant_layers import (
+    FbgemmW8A8Linear,
+    Int4WeightOnlyLinear,
+    Int8WeightOnlyLinear,
+    OneDNNW8A8Linear,
+    RowW8A8LinearBase,
 )
 from specdec.runner import BatchRunner
 from tests.support.engine import cpu_only
 
-LAYERS = {"int8": Int8WeightLinear, "w8a8": Int8RowLinear, "w8a8-fbgemm": Int8RowLinearFbgemm, "int4": Int4WeightLinear}
+LAYERS = {
+    "int8": Int8WeightOnlyLinear,
+    "w8a8": OneDNNW8A8Linear,
+    "w8a8-fbgemm": FbgemmW8A8Linear,
+    "int4": Int4WeightOnlyLinear,
+}
 QUANTS = [q for q in TARGET_QUANTS if q != "none"]
-KERNELS = list(LAYERS)  # both w8a8 kernels: the engine picks one by the CPU (quant.w8a8_layer)
+KERNELS = list(LAYERS)  # both w8a8 kernels: the engine picks one by the CPU (quant_layers.w8a8_layer)
 
 
 def _linear(dtype: torch.dtype, bias: bool = True) -> torch.nn.Linear:
@@ -53,7 +58,7 @@ def test_a_rows_output_does_not_depend_on_the_other_rows(quant):
     assert torch.equal(layer(x[None, :5]), alone[None, :5])
 
 
-@pytest.mark.parametrize("layer_type", [Int8RowLinear, Int8RowLinearFbgemm])
+@pytest.mark.parametrize("layer_type", [OneDNNW8A8Linear, FbgemmW8A8Linear])
 def test_w8a8_row_scale_is_per_row(layer_type):
     """The property that per-tensor dynamic int8 lacks: one large row does not coarsen another row's steps."""
     layer = layer_type(_linear(torch.float32, bias=False))
@@ -67,9 +72,9 @@ def test_a_layer_packed_in_slices_gives_the_same_outputs_as_one_packed_whole(mon
     """fbgemm packs a large layer (an LM head) in slices, as fast as its parts; every output column is computed on
     its own, so the slices must give the same values bit for bit, with the bias added once."""
     linear = torch.nn.Linear(256, 1000)
-    whole = Int8RowLinearFbgemm(linear)
-    monkeypatch.setattr(Int8RowLinearFbgemm, "PACK_ROWS", 300)
-    sliced = Int8RowLinearFbgemm(linear)
+    whole = FbgemmW8A8Linear(linear)
+    monkeypatch.setattr(FbgemmW8A8Linear, "PACK_ROWS", 300)
+    sliced = FbgemmW8A8Linear(linear)
     assert [(start, end) for start, end, _ in sliced._packed] == [(0, 250), (250, 500), (500, 750), (750, 1000)]
     assert len(whole._packed) == 1 and sliced.packed_weight_bytes == whole.packed_weight_bytes
     x = torch.randn(2, 5, 256)
@@ -88,7 +93,7 @@ def test_w8a8_fuses_the_layers_that_read_one_input_without_changing_a_value(tiny
     model = copy.deepcopy(tiny_engine.target.model)
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     groups = {attn: ("q_proj", "k_proj", "v_proj"), mlp: ("gate_proj", "up_proj")}
-    layer_type = Int8RowLinearFbgemm if quant == "w8a8-fbgemm" else Int8RowLinear
+    layer_type = FbgemmW8A8Linear if quant == "w8a8-fbgemm" else OneDNNW8A8Linear
     alone = {(m, n): layer_type(getattr(m, n)) for m, names in groups.items() for n in names}
     quantize_linears(model, quant)
     assert fused_layer(attn.q_proj, attn.k_proj, attn.v_proj) is not None
@@ -111,8 +116,8 @@ def test_a_fused_group_keeps_each_layers_bias_or_its_lack():
     torch.manual_seed(0)
     block = torch.nn.Module()
     block.q_proj, block.k_proj, block.v_proj = (torch.nn.Linear(64, n, bias=n == 32) for n in (32, 16, 16))
-    alone = {name: Int8RowLinearFbgemm(getattr(block, name)) for name in ("q_proj", "k_proj", "v_proj")}
-    _w8a8_rows(block, Int8RowLinearFbgemm, None, None)
+    alone = {name: FbgemmW8A8Linear(getattr(block, name)) for name in ("q_proj", "k_proj", "v_proj")}
+    _w8a8_rows(block, FbgemmW8A8Linear, None, None)
     assert fused_layer(block.q_proj, block.k_proj, block.v_proj) is not None
     x = torch.randn(3, 64)
     for name, layer in alone.items():
@@ -157,7 +162,7 @@ def test_smoothing_keeps_the_float_function_and_evens_out_channels():
     """SmoothQuant moves range from down_proj's input channels into its weights: the float model computes the same
     logits, and the input's channel peaks come closer together (what per-token int8 needs)."""
     from specdec.models import build_tiny_random
-    from specdec.quant import smooth_mlp_inputs
+    from specdec.quant_smooth import smooth_mlp_inputs
 
     model = build_tiny_random(None)
     ids = torch.tensor([list(range(30, 90))])
@@ -200,12 +205,12 @@ def test_w8a8_read_from_its_cache_is_the_model_quantized_afresh(tiny_engine, tmp
 
 @cpu_only
 def test_a_cache_file_packed_early_is_taken_only_by_the_model_it_belongs_to(tiny_engine, tmp_path, monkeypatch):
-    """The app packs the cache file it guesses while the model loads (prepack_cache). The load takes those layers
+    """The app packs the cache file it guesses while the model loads (early_packing.start). The load takes those layers
     when its own key names that file, and packs its own file afresh when the guess was another."""
     import copy
     import os
 
-    from specdec import quant
+    from specdec.quant_cache import early_packing
 
     monkeypatch.setenv("SPECVOICE_CACHE", str(tmp_path))
     cache = tmp_path / "quantized" / "tiny-w8a8-float32-0123456789abcdef.safetensors"
@@ -222,22 +227,22 @@ def test_a_cache_file_packed_early_is_taken_only_by_the_model_it_belongs_to(tiny
     _, want_other = quantized(other, smoothed=False)  # another file for the same name, smoothed otherwise
     assert not torch.equal(want, want_other)
     os.utime(other, (0, 0))
-    assert quant.prepack_cache("tiny", "w8a8", "float32") == cache  # the newest file of that name and format
-    assert quant.prepack_cache("tiny", "w8a8", "float32") is None  # already packing
-    packed = list(quant._prepacked[cache].result().values())  # held: ids stay theirs
+    assert early_packing.start("tiny", "w8a8", "float32") == cache  # the newest file of that name and format
+    assert early_packing.start("tiny", "w8a8", "float32") is None  # already packing
+    packed = list(early_packing._pending[cache].result().values())  # held: ids stay theirs
     early = {id(layer) for layer in packed}
     model, got = quantized(cache)
-    used = {id(m) for m in model.modules() if isinstance(m, quant.RowInt8Linear)}
+    used = {id(m) for m in model.modules() if isinstance(m, RowW8A8LinearBase)}
     assert used == early and torch.equal(got, want)
-    assert not quant._prepacked
+    assert not early_packing._pending
     os.utime(other, (0, 0))
-    assert quant.prepack_cache("tiny", "w8a8", "float32") == cache  # a wrong guess: the model reads `other`
-    packed = list(quant._prepacked[cache].result().values())  # held: ids stay theirs
+    assert early_packing.start("tiny", "w8a8", "float32") == cache  # a wrong guess: the model reads `other`
+    packed = list(early_packing._pending[cache].result().values())  # held: ids stay theirs
     early = {id(layer) for layer in packed}
     model, got = quantized(other)
-    used = {id(m) for m in model.modules() if isinstance(m, quant.RowInt8Linear)}
+    used = {id(m) for m in model.modules() if isinstance(m, RowW8A8LinearBase)}
     assert not used & early and torch.equal(got, want_other)
-    assert not quant._prepacked  # the wrong guess's layers dropped
+    assert not early_packing._pending  # the wrong guess's layers dropped
 
 
 @cpu_only
@@ -248,10 +253,10 @@ def test_a_cache_file_names_the_dtype_so_another_dtypes_file_is_never_the_guess(
     import os
     import shutil
 
-    from specdec import quant
+    from specdec import quant_cache
 
     monkeypatch.setenv("SPECVOICE_CACHE", str(tmp_path))
-    monkeypatch.setattr(quant, "CACHED_FROM_PARAMS", 0)
+    monkeypatch.setattr(quant_cache, "CACHED_FROM_PARAMS", 0)
     model = copy.deepcopy(tiny_engine.target.model)
     path = quantized_cache_path(model, "w8a8", "tiny")
     bf16_path = quantized_cache_path(copy.deepcopy(model).to(torch.bfloat16), "w8a8", "tiny")
@@ -260,9 +265,22 @@ def test_a_cache_file_names_the_dtype_so_another_dtypes_file_is_never_the_guess(
     quantize_linears(model, "w8a8", torch.arange(3, 40)[None], path)
     shutil.copy(path, bf16_path)
     os.utime(path, (0, 0))  # the bfloat16 file was used last
-    assert quant.prepack_cache("tiny", "w8a8", "float32") == path
-    assert quant._take_prepacked(path) is not None
+    assert quant_cache.early_packing.start("tiny", "w8a8", "float32") == path
+    assert quant_cache.early_packing.take(path) is not None
 
 
 def test_only_a_large_model_gets_a_quantized_cache_file(tiny_engine):
     assert quantized_cache_path(tiny_engine.target.model, "w8a8", "tiny") is None
+
+
+def test_the_cache_key_names_the_w8a8_layers_as_before_they_were_renamed(monkeypatch):
+    """The layer's name goes into the cache file's key: a class renamed must not rename the file, or every user
+    would quantize the target again."""
+    from specdec import quant_layers
+    from specdec.quant_cache import key_layer_name
+
+    monkeypatch.setattr(quant_layers, "cpu_has_amx", lambda: True)
+    assert key_layer_name("w8a8") == "Int8RowLinear"
+    monkeypatch.setattr(quant_layers, "cpu_has_amx", lambda: False)
+    assert key_layer_name("w8a8") == "Int8RowLinearFbgemm"
+    assert key_layer_name("w8a8-onednn") == "w8a8-onednn" and key_layer_name("w8a8-fbgemm") == "w8a8-fbgemm"
