@@ -34,3 +34,14 @@ def return_free_memory() -> None:
     libc = _glibc()
     if libc is not None:
         libc.malloc_trim(0)
+
+
+def process_memory_mb() -> dict[str, float] | None:
+    """The process's resident memory now (VmRSS) and its peak (VmHWM), MB of 2^20 bytes; None where /proc is not."""
+    fields = {"VmRSS:": "resident_mb", "VmHWM:": "peak_mb"}
+    try:
+        with open("/proc/self/status") as f:
+            found = {fields[p[0]]: int(p[1]) / 1024 for line in f if (p := line.split()) and p[0] in fields}
+    except OSError:
+        return None
+    return found if len(found) == len(fields) else None

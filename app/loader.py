@@ -12,6 +12,7 @@ from pipeline.tts import make_tts
 from specdec.quant_cache import early_packing
 
 from . import page
+from .heap import process_memory_mb
 
 log = logging.getLogger("specvoice.app")
 
@@ -113,6 +114,7 @@ class ModelLoader:
             "step_s": list(self.step_s),
             "elapsed_s": time.perf_counter() - self.t0,
             "load_s": self.load_s,
+            "memory": process_memory_mb(),  # the server process's, resident and peak (docs/results.md: the breakdown)
         }
         if self.agent is not None:
             llm = self.agent.llm

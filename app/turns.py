@@ -13,10 +13,11 @@ from datetime import datetime, timezone
 
 import numpy as np
 
-from pipeline.agent import Conversation, TurnResult, VoiceAgent
+from pipeline.agent import Conversation, VoiceAgent
 from pipeline.audio import AudioError
 from pipeline.preemptive import Hold
 from pipeline.timeline import Timeline
+from pipeline.turn_result import TurnResult
 
 from .ab import run_ab
 from .answer_audio import AnswerAudio

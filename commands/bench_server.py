@@ -29,6 +29,7 @@ from websockets.sync.client import connect
 from websockets.typing import Origin
 from websockets.uri import parse_uri
 
+from app.heap import process_memory_mb
 from app.protocol import WS_PATH
 from app.server import AppServer, ServerOptions
 from pipeline.options import add_agent_arguments, agent_config_from_args, positive_int
@@ -179,9 +180,10 @@ class StalledClient:
 
 
 def rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
-    return kb / 1024
+    memory = process_memory_mb()
+    if memory is None:
+        raise RuntimeError("bench-server reads the resident memory from /proc/self/status (Linux)")
+    return memory["resident_mb"]
 
 
 def typed_answer(ws_url: str, origin: str, text: str = "Hello there.") -> None:

@@ -16,7 +16,7 @@ from .audio import SAMPLE_RATE
 from .capacity import Capacity
 from .events import AnswerDone, EventSink, Notify, Transcript
 from .listener import StartEarly, TurnListener
-from .llm import LLMStage, ReplyStats
+from .llm import LLMStage
 from .llm_provider import LLM_WARMUP_STEPS, LLMConfig, LLMProvider, provider_from_config
 from .preemptive import ChildCancel, Hold
 from .smart_turn import SmartTurn, load_smart_turn
@@ -24,6 +24,7 @@ from .speaker import SpokenAnswer
 from .timeline import Timeline
 from .tts import TTS, make_tts
 from .turn_end import TurnEnd
+from .turn_result import TurnResult
 from .vad import FRAME, EndOfTurnDetector, VadEvent
 
 log = logging.getLogger("specvoice.agent")
@@ -43,49 +44,6 @@ class AgentConfig(LLMConfig):
     prefill_while_speaking: bool = True  # prefill the user's words from the partial transcripts as they come
     first_chunk_words: int = 3  # measured: 3 words cut the first-chunk stage from 770 to 568 ms (w8a8)
     history_turns: int = 4  # user/assistant pairs kept in the prompt at most (prompt_tokens bounds them too)
-
-
-@dataclass
-class TurnResult:
-    speculation: bool
-    transcript: str
-    answer: str
-    spoken: str  # what reached the TTS (less than answer after a barge-in)
-    timeline: Timeline
-    stats: ReplyStats
-    audio: list[np.ndarray]
-    sample_rate: int
-    cancelled: bool = False
-    wasted_tokens: int = 0  # generated but never spoken (barge-in)
-    discarded: bool = False  # an early answer thrown away before its turn ended: nothing of it was sent
-
-    def to_dict(self) -> dict:
-        spec = self.stats.spec
-        tl = self.timeline.to_dict()
-        return {
-            "speculation": self.speculation,
-            "transcript": self.transcript,
-            "answer": self.answer,
-            "spoken": self.spoken,
-            "ttfa_ms": tl["ttfa_ms"],
-            "stall_ms": tl["stall_ms"],
-            "stages": tl["stages"],
-            "timeline": tl,
-            "first_chunk_tokens": self.timeline.first_chunk_tokens,
-            "first_chunk_tokens_per_forward": tl["first_chunk_tokens_per_forward"],
-            "chunk_handoff_ms": tl["chunk_handoff_ms"],
-            "tokens": self.stats.tokens,
-            "tokens_per_s": self.stats.tokens_per_s,
-            "draft_acceptance_rate": spec.draft_acceptance_rate if spec.proposed else None,
-            "tokens_per_target_forward": spec.tokens_per_target_forward if spec.speculative_steps else None,
-            "rejected_draft_tokens": spec.proposed - spec.accepted,
-            "wasted_tokens": self.wasted_tokens,
-            "cancelled": self.cancelled,
-            "saved_ms": tl["saved_ms"],
-            "prefilled_while_speaking_tokens": self.stats.prefilled_while_speaking_tokens,
-            "notes": self.stats.notes,
-            "audio_seconds": sum(len(a) for a in self.audio) / self.sample_rate,
-        }
 
 
 class Conversation:

@@ -6,15 +6,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import numpy as np
 
 from .llm import LLMDelta
-
-if TYPE_CHECKING:
-    from .agent import TurnResult
-
+from .turn_result import TurnResult
 
 # --- notices: what the user should see while a turn is heard (the mic's thread, the listener's) ---------------------
 

@@ -192,8 +192,8 @@ class BatchScheduler:
                     return
                 self._running += self._joining
                 self._joining = []
-            compute.serve_pending()
             try:
+                compute.serve_pending()
                 self._step()
             except Exception as e:  # a bug must end the answers it hit, never the thread every answer waits on
                 for run in self._running:

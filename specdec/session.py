@@ -3,24 +3,33 @@ cache was fed outside a step (catch_up)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Protocol
 
 from . import compute
 from .drafters import Drafter, NGramDrafter
 from .events import StepEvent
 from .kv import SequenceCache
-
-if TYPE_CHECKING:
-    from .engine import SpeculativeEngine
+from .models import LoadedModel
+from .runner import BatchRunner
 
 DRAFTER_KINDS = ("draft-model", "heads", "ngram")  # what a conversation may switch to (the engine's own or n-gram)
+
+
+class SessionEngine(Protocol):
+    """What a session reads of its engine (SpeculativeEngine has it): the target's cache maker and the drafters."""
+
+    target: LoadedModel
+    runner: BatchRunner
+    drafter_factory: Callable[[], Drafter] | None
+    drafter_kind: str | None
 
 
 class EngineSession:
     """The KV caches kept across answers of one conversation: each answer then prefills only what is new (the
     caches crop themselves to the common prefix). Not for concurrent use."""
 
-    def __init__(self, engine: SpeculativeEngine) -> None:
+    def __init__(self, engine: SessionEngine) -> None:
         self.engine = engine
         self.target = engine.runner.new_cache()
         self.drafter: Drafter | None = None

@@ -19,6 +19,7 @@ from websockets.sync.client import connect
 
 from app.page import K_CHOICES
 from app.server import ModelLoader
+from commands.bench_server import wait_until
 from commands.voice_client import send_speech
 from pipeline.agent import AgentConfig, VoiceAgent
 from pipeline.asr import Transcriber
@@ -50,6 +51,8 @@ def test_typed_turns_wait_for_the_models():
         statuses = [m for m in seen if isinstance(m, dict) and m["type"] == "status"]
         assert [m["stage"].split(": ", 1)[1] for m in statuses[:-1]] == list(ModelLoader.STEPS[1:])
         assert statuses[-1]["ready"] and [name for name, _ in statuses[-1]["step_s"]] == list(ModelLoader.STEPS)
+        memory = statuses[-1]["memory"]  # the server's resident and peak memory, what the status reports
+        assert 0 < memory["resident_mb"] <= memory["peak_mb"]
 
 
 @needs_espeak
@@ -135,6 +138,7 @@ def test_the_app_is_ready_once_every_stage_is_warm(monkeypatch):
     )
     loader.start()
     assert loader.finished.wait(30) and loader.ready, loader.error
+    assert wait_until(lambda: statuses[-1][0]["ready"], 10)  # the ready status is sent just after finished is set
     *loading, (ready, ran_when_ready) = statuses
     assert ready["ready"] and not any(status["ready"] for status, _ in loading)
     assert [(status["stage"].split(": ", 1)[1], before) for status, before in loading] == [

@@ -76,7 +76,7 @@ def test_an_early_answer_waits_for_the_slot_its_own_turns_asr_pass_holds():
         assert slots.try_acquire()  # the ASR pass at the pause
         job = threading.Thread(target=runner._guarded, args=(lambda: ran.append("answered"), hold))
         job.start()
-        time.sleep(0.1)
+        assert wait_until(lambda: hold._watchers, 5)  # it asked for a slot: none is free, so it waits
         assert not ran and hold.state == "held"  # waiting, not given up
         if end is not None:
             end(hold)

@@ -5,7 +5,6 @@ import math
 import subprocess
 import sys
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -144,9 +143,7 @@ def test_barge_in_cancels_llm_and_tts_and_keeps_history_consistent():
         if isinstance(event, Audio):
             cancel.set()  # the user starts talking as soon as the agent does
 
-    t0 = time.perf_counter()
     result = agent.respond(conv, "tell me everything", Timeline(), True, on_event=on_event, cancel=cancel)
-    assert time.perf_counter() - t0 < 1.0  # 200 steps would take 4 s
     assert result.cancelled and len(result.audio) == 1
     assert result.wasted_tokens > 0 and result.stats.tokens < 200
     assert conv.history[-2]["role"] == "user" and conv.history[-1]["content"].endswith("…")

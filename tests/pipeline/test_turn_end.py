@@ -277,10 +277,8 @@ def test_a_barge_in_during_an_early_answer_stops_it_like_any_answer():
             cancel.set()  # the user talks over the first audio
 
     conv = agent.new_conversation()
-    t0 = time.perf_counter()
     result = agent.turn_from_recording(conv, audio, True, on_event=on_event, cancel=cancel)
-    assert time.perf_counter() - t0 < 6  # 200 steps of 20 ms would take 4 s after the speech
-    assert result.cancelled and not result.discarded and len(result.audio) == 1
+    assert result.cancelled and not result.discarded and len(result.audio) == 1 and result.stats.tokens < 200
     assert conv.history[-1]["content"].endswith("…")
 
 
@@ -336,10 +334,13 @@ def test_the_words_heard_while_speaking_are_prefilled_up_to_the_last_one():
     asr = ScriptedASR([(ends[0] / 2, "What is the capital?")])  # Whisper closes a partial with "?"
     prefilled: list[str] = []
     listener = TurnListener(asr, TurnEnd(), asr_interval_s=0.02, prefill=prefilled.append)
+    frames = range(0, int(ends[0] * SAMPLE_RATE) - 2 * FRAME, FRAME)  # while the words are still being said
     try:
-        for i in range(0, int(ends[0] * SAMPLE_RATE) - 2 * FRAME, FRAME):  # while the words are still being said
+        for i in frames:
             listener.feed(audio[i : i + FRAME], i / SAMPLE_RATE)
-            time.sleep(0.005)  # let the ASR thread publish its partials
+        assert wait_until(lambda: listener.asr.partial == "What is the capital?", 5)  # the ASR thread's partial
+        nxt = len(frames) * FRAME
+        listener.feed(audio[nxt : nxt + FRAME], nxt / SAMPLE_RATE)  # the next frame, still voiced, reads it
     finally:
         listener.close()
     assert prefilled and prefilled[-1] == "What is the capital"
@@ -360,7 +361,8 @@ def test_an_early_answer_given_up_by_its_answerer_leaves_the_turn_to_be_answered
         end = listener.feed(audio[i : i + FRAME], i / SAMPLE_RATE)
         if end is not None:
             break
-        time.sleep(0.002)  # let the ASR thread publish its partials
+        if listener.vad.paused and not started:  # fed faster than spoken: the pause's words start it, then on
+            assert wait_until(lambda: (listener.poll(), started)[1], 5)
     heard = listener.finish(end)
     listener.close()
     assert len(started) == 1 and heard.early is None and heard.transcript == "What is the capital of France?"
