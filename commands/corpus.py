@@ -48,7 +48,7 @@ from specdec.runner import BatchRunner
 
 FOLDER = asset_path("corpus")
 BENCHMARK_PROMPTS = Path(__file__).resolve().parents[1].parent / "shared" / "prompts" / "voice_prompts.jsonl"
-UTTERANCE_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "make_utterances.py"
+UTTERANCE_TEXTS = Path(__file__).resolve().parents[1] / "scripts" / "utterance_texts.py"
 WRITES_PER_SHARD = 64
 
 
@@ -69,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         help="requests: JSONL of benchmark prompts to keep out (default: ../shared/prompts/voice_prompts.jsonl "
-        "and the recordings' texts in scripts/make_utterances.py)",
+        "and the recordings' texts in scripts/utterance_texts.py)",
     )
     parser.add_argument(
         "--shards",
@@ -81,9 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default="", help="widths: also write the report here")
 
 
-def utterance_texts(script: Path = UTTERANCE_SCRIPT) -> list[str]:
-    """The texts the project's recordings speak (QUESTIONS, HELDOUT, PAUSES in scripts/make_utterances.py), read
-    without importing the script (it loads the TTS)."""
+def utterance_texts(script: Path = UTTERANCE_TEXTS) -> list[str]:
+    """The texts the project's recordings speak (QUESTIONS, HELDOUT, PAUSES in scripts/utterance_texts.py), read
+    without importing it (scripts/ is not a package on the path)."""
     texts: list[str] = []
     for node in ast.parse(script.read_text()).body:
         if isinstance(node, ast.Assign) and any(
