@@ -11,7 +11,6 @@ page this server served (its Origin the Host it was sent to, or an origin the us
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import ipaddress
 import logging
@@ -61,9 +60,9 @@ def host_key(host: str, default_port: int | None) -> tuple[str, int | None] | No
 
 
 def web_origin(value: str) -> str:
-    """argparse type of --allowed-origin: one exact origin."""
+    """--allowed-origin read: one exact origin (ValueError saying why not)."""
     if origin_key(value) is None:
-        raise argparse.ArgumentTypeError(
+        raise ValueError(
             f"{value!r} is not an origin: give scheme://host[:port] as the browser's address bar shows it, "
             "e.g. https://gpu.example.com:8443 (no path, no wildcard)"
         )
@@ -71,9 +70,9 @@ def web_origin(value: str) -> str:
 
 
 def host_name(value: str) -> str:
-    """argparse type of --allowed-host: one name, with or without a port."""
+    """--allowed-host read: one name, with or without a port (ValueError saying why not)."""
     if host_key(value, None) is None:
-        raise argparse.ArgumentTypeError(
+        raise ValueError(
             f"{value!r} is not a host: give a name or name:port as a proxy sends it in the Host header, "
             "e.g. specvoice or specvoice:7860 (no scheme, no path, no wildcard)"
         )

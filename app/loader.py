@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 from pipeline.agent import AgentConfig, VoiceAgent, make_transcriber
 from pipeline.tts import make_tts
+from specdec.build import fixed_k
 from specdec.quant_cache import early_packing
 
 from . import page
@@ -138,7 +139,7 @@ class ModelLoader:
         if scheduler is None or scheduler.costs is None:
             return None
         e = self.config.engine
-        k_most = max(*page.K_CHOICES, e.k_max, int(e.k) if e.k.isdigit() else 0)
+        k_most = max(*page.K_CHOICES, e.k_max, fixed_k(e.k) or 0)
         return {
             "batch1_ms": [1000 * scheduler.costs(1, n) for n in range(1, k_most + 2)],
             "grid": scheduler.costs.as_dict(),

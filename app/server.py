@@ -9,7 +9,6 @@ app/guard.py's checks), the shared model loading (app/loader.py), and one Client
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
@@ -22,8 +21,8 @@ from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from pipeline.agent import AgentConfig, VoiceAgent
-from pipeline.options import add_agent_arguments, agent_config_from_args, positive_int
 from pipeline.timeline import STAGES
+from specdec.fields import option
 
 from . import heap, page, protocol
 from .background import LoadControl, simulated_users
@@ -54,24 +53,52 @@ OPEN_PATHS = (
 )
 
 
+MAX_BACKGROUND = 16  # the load control's top: simulated conversations beside the real ones
+
+
 @dataclass
 class ServerOptions:
-    host: str = "127.0.0.1"
-    port: int = 7860
-    max_concurrent_answers: int = 4  # the in-process engine batches them (specdec/scheduler.py)
-    max_turn_s: float = 30.0  # a voice turn is cut here: caps what one user can make the ASR chew on
+    """The server's limits; the fields declared with option() are `specvoice app`'s flags (specdec/fields.py)."""
+
+    host: str = option("127.0.0.1", help="interface to listen on (default: loopback only)")
+    port: int = option(7860)
+    max_concurrent_answers: int = option(  # the in-process engine batches them (specdec/scheduler.py)
+        4,
+        at_least=1,
+        help="answers generated at once over all tabs, batched; more get a 'busy' message (default %(default)s)",
+    )
+    max_turn_s: float = option(30.0, help="a voice turn is cut at this length")  # caps what the ASR must chew on
     max_text_chars: int = 1000
     max_text_tokens: int = 300  # of the LLM's: what one typed turn may make it read
     max_outbox_bytes: int = 16 * 2**20  # unsent output per tab (~80 s of 96 kHz audio); over it, the tab is closed
     max_message_bytes: int = 256 * 1024  # per WebSocket message; a 32 ms mic frame is 1 KiB
     max_ab_repeats: int = 10
     kept_audio_turns: int = 20  # answers whose audio stays replayable, per tab
-    max_background: int = 16  # the load control's top: simulated conversations beside the real ones
-    background_conversations: int = 0  # started once the models are ready
-    allowed_origins: tuple[str, ...] = ()  # pages served elsewhere (a proxy) that may open the socket too
-    allowed_hosts: tuple[str, ...] = ()  # Host names beside the default ones (a proxy that rewrites Host)
-    max_sessions: int = 64  # open WebSockets over all clients
-    max_sessions_per_client: int = 8  # open WebSockets from one address
+    max_background: int = MAX_BACKGROUND
+    background_conversations: int = option(  # started once the models are ready
+        0, help=f"simulated conversations to start with (the page's load control, 0..{MAX_BACKGROUND})"
+    )
+    allowed_origins: tuple[str, ...] = option(
+        (),
+        flag="--allowed-origin",
+        parse=web_origin,
+        metavar="ORIGIN",
+        help="also accept the page from this exact origin, e.g. https://gpu.example.com:8443 behind a reverse proxy "
+        "or http://localhost:8080 for docker -p 8080:7860 (repeatable; default: only the app's own host:port)",
+    )
+    allowed_hosts: tuple[str, ...] = option(
+        (),
+        flag="--allowed-host",
+        parse=host_name,
+        metavar="HOST",
+        help="also answer requests whose Host header is this name[:port] (any port without one), for a reverse proxy "
+        "that rewrites Host, e.g. specvoice:7860 (repeatable; default: loopback names, and IP addresses when "
+        "listening on 0.0.0.0, on the app's port, and the host:port of each --allowed-origin)",
+    )
+    max_sessions: int = option(64, at_least=1, help="open tabs (WebSockets) over all clients")
+    max_sessions_per_client: int = option(
+        8, at_least=1, help="open tabs (WebSockets) from one client address (behind a proxy, from X-Forwarded-For)"
+    )
     header_timeout_s: float = 10.0  # a connection's request line and headers must be in by then
 
     def allowed(self) -> AllowedList:
@@ -262,83 +289,20 @@ class AppServer:
         )
 
 
-# ------------------------------------------------------------------------------------------- CLI
+# ------------------------------------------------------------------------------------------- serving
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    d = ServerOptions()
-    parser.add_argument("--host", default=d.host, help="interface to listen on (default: loopback only)")
-    parser.add_argument("--port", type=int, default=d.port)
-    parser.add_argument(
-        "--allowed-origin",
-        dest="allowed_origins",
-        action="append",
-        type=web_origin,
-        default=[],
-        metavar="ORIGIN",
-        help="also accept the page from this exact origin, e.g. https://gpu.example.com:8443 behind a reverse proxy "
-        "or http://localhost:8080 for docker -p 8080:7860 (repeatable; default: only the app's own host:port)",
-    )
-    parser.add_argument(
-        "--allowed-host",
-        dest="allowed_hosts",
-        action="append",
-        type=host_name,
-        default=[],
-        metavar="HOST",
-        help="also answer requests whose Host header is this name[:port] (any port without one), for a reverse proxy "
-        "that rewrites Host, e.g. specvoice:7860 (repeatable; default: loopback names, and IP addresses when "
-        "listening on 0.0.0.0, on the app's port, and the host:port of each --allowed-origin)",
-    )
-    parser.add_argument(
-        "--max-sessions", type=positive_int, default=d.max_sessions, help="open tabs (WebSockets) over all clients"
-    )
-    parser.add_argument(
-        "--max-sessions-per-client",
-        type=positive_int,
-        default=d.max_sessions_per_client,
-        help="open tabs (WebSockets) from one client address (behind a proxy, from X-Forwarded-For)",
-    )
-    parser.add_argument(
-        "--max-concurrent-answers",
-        type=int,
-        default=None,
-        help="answers generated at once over all tabs, batched; more get a 'busy' message "
-        f"(default {d.max_concurrent_answers})",
-    )
-    parser.add_argument(
-        "--background-conversations",
-        type=int,
-        default=0,
-        help=f"simulated conversations to start with (the page's load control, 0..{d.max_background})",
-    )
-    parser.add_argument("--max-turn-s", type=float, default=d.max_turn_s, help="a voice turn is cut at this length")
-    add_agent_arguments(parser)
-
-
-def server_setup(args: argparse.Namespace) -> tuple[AgentConfig, ServerOptions]:
-    """`specvoice app`'s configuration from its options."""
-    config = agent_config_from_args(args)
-    limit = args.max_concurrent_answers or ServerOptions.max_concurrent_answers
-    options = ServerOptions(args.host, args.port, limit, args.max_turn_s)
-    options.background_conversations = args.background_conversations
-    options.allowed_origins = tuple(args.allowed_origins)
-    options.allowed_hosts = tuple(args.allowed_hosts)
-    options.max_sessions = args.max_sessions
-    options.max_sessions_per_client = args.max_sessions_per_client
-    return config, options
-
-
-def main(args: argparse.Namespace) -> int:
+def serve(config: AgentConfig, options: ServerOptions) -> int:
+    """`specvoice app`: load the models in the background and serve the page until stopped; the exit code."""
     import uvicorn
 
     logging.basicConfig(level=logging.WARNING, format="[specvoice] %(message)s")
     log.setLevel(logging.INFO)
-    server = AppServer(*server_setup(args))
+    server = AppServer(config, options)
     server.loader.prepack()
     app = server.build_app()
-    log.info("%s", server.options.allowed().describe())
-    log.info("loading models in the background; open http://%s:%d", _url_host(args.host), args.port)
+    log.info("%s", options.allowed().describe())
+    log.info("loading models in the background; open http://%s:%d", _url_host(options.host), options.port)
     server.loader.start()
     serving = uvicorn.Server(server.uvicorn_config(app))
     serving.run()

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import torch
 
-from pipeline.options import add_engine_arguments, spec_from_args
 from specdec import compute
 from specdec.bench import explain_divergence, first_divergence, hf_generate, read_prompts, run_engine, summarize
 from specdec.build import DTYPES, NOT_MODELS, build_engines
@@ -20,6 +19,8 @@ from specdec.engine import GenerationConfig
 from specdec.llamacpp import ISOLATION, LlamaCppRun, generate_alone, preset_gguf
 from specdec.metrics import DEFINITIONS, SpecStats
 from specdec.models import load_model
+
+from .options import add_engine_arguments, spec_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

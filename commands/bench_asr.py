@@ -26,10 +26,11 @@ import numpy as np
 
 from pipeline.asr import DEFAULT_CPU_THREADS, FULL_WINDOW_S, MODEL_CHOICES, Transcriber
 from pipeline.audio import SAMPLE_RATE, load_audio, to_mono_16k
-from pipeline.options import positive_int
 from pipeline.tts import HibariTTS, PiperTTS
 from pipeline.wer import corpus_word_error_rate, word_edits
 from specdec.bench import read_prompts
+
+from .options import positive_int
 
 DEFAULT_PROMPTS = "../shared/prompts/voice_prompts.jsonl"
 ESPEAK_WPM = 175  # espeak-ng's default speaking rate, words per minute

@@ -22,9 +22,10 @@ from dataclasses import asdict, replace
 from app.server import AppServer, ServerOptions
 from app.stats import spread
 from pipeline.agent import AgentConfig
-from pipeline.options import add_agent_arguments, agent_config_from_args, positive_int
 from specdec.build import TINY_ENGINE
 from specdec.metrics import DEFINITIONS
+
+from .options import add_agent_arguments, agent_config_from_args, option_defaults, positive_int
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
@@ -56,7 +57,7 @@ def tiny_config() -> AgentConfig:
     """Random tiny target + draft (instant to load, gibberish answers); real ASR and TTS.
 
     One turn of history: the tiny target's 512-token context holds no more next to the system prompt. Batched, as
-    every voice command runs the engine (pipeline.options.agent_config_from_args)."""
+    every voice command runs the engine (commands/options.py, agent_config_from_args)."""
     return AgentConfig(engine=replace(TINY_ENGINE, batched=True), history_turns=1)  # a copy: callers may change it
 
 
@@ -92,8 +93,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", required=True, help="where to write the per-turn figures and their summary")
     parser.add_argument("--chromium", default=CHROMIUM, help="the Chromium executable Playwright drives")
     add_agent_arguments(parser)
-    tiny = tiny_config()
-    parser.set_defaults(**asdict(tiny.engine), history_turns=tiny.history_turns)
+    parser.set_defaults(**option_defaults(tiny_config()))
 
 
 def summarize(turns: list[dict], config: dict) -> dict:

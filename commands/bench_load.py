@@ -17,7 +17,6 @@ import torch
 from app.background import BackgroundLoad
 from casestudy.latency_model import Hardware, ModelSpec, Scenario, breakeven_concurrency, evaluate
 from pipeline.llm import SYSTEM_PROMPT
-from pipeline.options import add_engine_arguments, positive_int, spec_from_args
 from specdec.bench import read_prompts
 from specdec.build import build_engine
 from specdec.cost_grid import ForwardCosts, measure_forward_costs
@@ -26,6 +25,8 @@ from specdec.kpolicy import FixedK
 from specdec.metrics import DEFINITIONS, alpha_from_acceptance_rate
 from specdec.models import estimate_bytes
 from specdec.scheduler import BatchScheduler
+
+from .options import add_engine_arguments, positive_int, spec_from_args
 
 MODES = ("off", "k4", "load_aware")
 FIXED_K = 4

@@ -32,9 +32,9 @@ from websockets.uri import parse_uri
 from app.heap import process_memory_mb
 from app.protocol import WS_PATH
 from app.server import AppServer, ServerOptions
-from pipeline.options import add_agent_arguments, agent_config_from_args, positive_int
 
 from .bench_heard import free_port, serving, tiny_config
+from .options import add_agent_arguments, agent_config_from_args, option_defaults, positive_int
 from .voice_client import recv_until
 
 GOAL_RSS_GROWTH_MB = 50.0
@@ -354,8 +354,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--flood-rate", type=positive_int, default=96000, help="the stalled client's playback rate, Hz")
     parser.add_argument("--json", default=None, help="write the measurements and the options here")
     add_agent_arguments(parser)
-    tiny = tiny_config()
-    parser.set_defaults(**asdict(tiny.engine), history_turns=tiny.history_turns)
+    parser.set_defaults(**option_defaults(tiny_config()))
 
 
 def main(args: argparse.Namespace) -> int:

@@ -21,12 +21,12 @@ from pathlib import Path
 
 from pipeline.agent import VoiceAgent
 from pipeline.audio import load_audio, to_mono_16k
-from pipeline.options import add_agent_arguments, agent_config_from_args
 from pipeline.turn_end import PauseSignals, TurnEnd
 from pipeline.vad import FRAME_S
 from specdec.metrics import DEFINITIONS
 
 from .bench_voice import replayed_turn
+from .options import add_agent_arguments, agent_config_from_args
 
 SIGNALS = ("words", "end_of_turn_probability", "end_of_message_probability")
 

@@ -25,12 +25,13 @@ from pathlib import Path
 import numpy as np
 from websockets.sync.client import connect
 
-from app import server as app_server
+from app.server import AppServer
 from pipeline.audio import load_audio, to_mono_16k
 from pipeline.wer import word_error_rate
 from specdec.metrics import DEFINITIONS
 from specdec.models import asset_path
 
+from . import app as app_command
 from .bench_heard import free_port, serving
 from .voice_client import ClientTurn, OnAdmitted, Utterance, recv_until, run_group, ws_url
 
@@ -218,7 +219,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--disconnect-one", action="store_true", help="check that a client leaving frees its slot")
     parser.add_argument("--turn-timeout-s", type=float, default=120.0, help="a turn with no answer by then is lost")
     parser.add_argument("--json", default=None, help="write the runs and the options here")
-    app_server.add_arguments(parser)  # the same server, model and pipeline options as `specvoice app`
+    app_command.add_arguments(parser)  # the same server, model and pipeline options as `specvoice app`
     parser.set_defaults(port=0)  # 0: a free port
 
 
@@ -226,13 +227,13 @@ def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="[specvoice] %(message)s")
     logging.getLogger("specvoice.app").setLevel(logging.INFO)  # loading progress: real models take a while
     utterances = load_utterances(args.wavs)
-    config, options = app_server.server_setup(args)
+    config, options = app_command.server_setup(args)
     options.port = options.port or free_port()
     # every simulated client connects from this machine's one address
     options.max_sessions_per_client = max(options.max_sessions_per_client, *args.clients)
     options.max_sessions = max(options.max_sessions, *args.clients)
     limit = options.max_concurrent_answers
-    server = app_server.AppServer(config, options)
+    server = AppServer(config, options)
     tail_s = config.turn_end.longest_ms / 1000 + TAIL_MARGIN_S
 
     with serving(server) as url:

@@ -15,12 +15,12 @@ import numpy as np
 from app.stats import bootstrap_ci, median_or_none, paired_ratio, spread
 from pipeline.agent import Conversation, VoiceAgent
 from pipeline.audio import load_audio, to_mono_16k
-from pipeline.options import add_agent_arguments, agent_config_from_args
 from pipeline.paired import paired_runs
 from pipeline.timeline import STAGES
 from pipeline.wer import normalize_words
 from specdec.metrics import DEFINITIONS
 
+from .options import add_agent_arguments, agent_config_from_args
 from .say import run_turn
 
 WHOLE_MARGIN_S = 0.5  # a turn is whole when its speech ends this close to the recording's end, or closer

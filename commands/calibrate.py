@@ -12,7 +12,6 @@ import sys
 import time
 from pathlib import Path
 
-from pipeline.options import add_engine_arguments, spec_from_args
 from specdec.bench import read_prompts, run_engine
 from specdec.build import build_engine
 from specdec.calibrate import measured_draft_seconds, measured_forward_seconds
@@ -21,6 +20,8 @@ from specdec.kpolicy import FixedK
 from specdec.metrics import DEFINITIONS, SpecStats, expected_tokens_per_step
 from specdec.session import EngineSession
 from specdec.timing import clock
+
+from .options import add_engine_arguments, spec_from_args
 
 DEFAULT_PROMPTS = [
     "What is the capital of Australia?",

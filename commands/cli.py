@@ -20,11 +20,12 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench-layerskip": ("commands.bench_layerskip", "self-speculation: the target with layers skipped as its drafter"),
     "corpus": ("commands.corpus", "the draft heads' training corpus, written and answered by the target (resumable)"),
     "train-heads": ("commands.train_heads", "train draft heads for a target on its own answers (resumable)"),
-    "app": ("app.server", "start the browser app"),
+    "app": ("commands.app", "start the browser app"),
     "bench-users": ("commands.bench_users", "N voice clients at once: answered, busy, lost and mixed turns, TTFA"),
     "bench-heard": ("commands.bench_heard", "heard delay in headless Chromium over typed turns (needs the test extra)"),
     "bench-server": ("commands.bench_server", "server memory over N sessions, status under a flood, malformed input"),
     "casestudy": ("commands.casestudy", "reproduce and explain the 700 ms → 240 ms case study"),
+    "vllm-serve": ("commands.vllm_serve", "print the `vllm serve` line that serves what the engine options name"),
 }
 
 

@@ -21,7 +21,6 @@ from tqdm import tqdm
 
 from commands.train_heads import advance
 from pipeline.llm import SYSTEM_PROMPT
-from pipeline.options import positive_int
 from specdec import compute
 from specdec.bench import read_prompts
 from specdec.build import DTYPES, EngineSpec, quantize_target
@@ -45,6 +44,8 @@ from specdec.models import LoadedModel, asset_path, load_model, log
 from specdec.quant import TARGET_QUANTS
 from specdec.quant_layers import cpu_has_amx
 from specdec.runner import BatchRunner
+
+from .options import positive_int
 
 FOLDER = asset_path("corpus")
 BENCHMARK_PROMPTS = Path(__file__).resolve().parents[1].parent / "shared" / "prompts" / "voice_prompts.jsonl"

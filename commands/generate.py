@@ -7,12 +7,13 @@ import json
 import sys
 import time
 
-from pipeline.options import add_engine_arguments, spec_from_args
 from specdec.build import build_engine
 from specdec.engine import GenerationConfig
 from specdec.metrics import DEFINITIONS, LOW_ACCEPTANCE_WARNING, SpecStats
 from specdec.sampling import SamplingParams
 from specdec.tokenizer import IncrementalDecoder
+
+from .options import add_engine_arguments, spec_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -11,9 +11,10 @@ import soundfile as sf
 
 from pipeline.agent import Conversation, VoiceAgent
 from pipeline.audio import load_audio, to_mono_16k
-from pipeline.options import add_agent_arguments, agent_config_from_args
 from pipeline.turn_result import TurnResult
 from specdec.metrics import DEFINITIONS
+
+from .options import add_agent_arguments, agent_config_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -23,7 +23,6 @@ import torch
 from tqdm import tqdm
 
 from pipeline.llm import SYSTEM_PROMPT
-from pipeline.options import positive_int
 from specdec import compute
 from specdec.bench import read_prompts
 from specdec.build import DTYPES, EngineSpec, quantize_target
@@ -53,6 +52,8 @@ from specdec.heads_train import (
 )
 from specdec.models import LoadedModel, asset_path, cache_dir, load_model, log
 from specdec.quant import TARGET_QUANTS
+
+from .options import positive_int
 
 TRAIN_PROMPTS = asset_path("prompts", "train_prompts.jsonl")
 

@@ -7,11 +7,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
-from .asr import DEFAULT_BEAM_SIZE, DEFAULT_WINDOW_S, Transcriber
+from specdec.fields import option
+
+from .asr import DEFAULT_BEAM_SIZE, DEFAULT_WINDOW_S, Transcriber, window_seconds
 from .audio import SAMPLE_RATE
 from .capacity import Capacity
 from .events import AnswerDone, EventSink, Notify, Transcript
@@ -22,7 +24,7 @@ from .preemptive import ChildCancel, Hold
 from .smart_turn import SmartTurn, load_smart_turn
 from .speaker import SpokenAnswer
 from .timeline import Timeline
-from .tts import TTS, make_tts
+from .tts import TTS, make_tts, tts_choice, tts_help
 from .turn_end import TurnEnd
 from .turn_result import TurnResult
 from .vad import FRAME, EndOfTurnDetector, VadEvent
@@ -35,15 +37,23 @@ class AgentConfig(LLMConfig):
     """The LLM's configuration (LLMConfig: the engine or a server, the answer's and the prompt's budgets) and the
     voice stages' around it."""
 
-    asr_model: str = "tiny.en"
-    asr_beam_size: int = DEFAULT_BEAM_SIZE
-    asr_window_s: float | None = DEFAULT_WINDOW_S  # None: Whisper's full 30 s window
-    tts: str = "hibari"
-    turn_end: TurnEnd = field(default_factory=TurnEnd)  # the silence after the last voiced frame that ends a turn
-    preemptive: bool = True  # start the answer at the pause, held until the turn is confirmed
-    prefill_while_speaking: bool = True  # prefill the user's words from the partial transcripts as they come
-    first_chunk_words: int = 3  # measured: 3 words cut the first-chunk stage from 770 to 568 ms (w8a8)
-    history_turns: int = 4  # user/assistant pairs kept in the prompt at most (prompt_tokens bounds them too)
+    asr_model: str = option("tiny.en", flag="--asr", help="tiny.en (offline default), base, a directory or hub name")
+    asr_beam_size: int = option(DEFAULT_BEAM_SIZE, flag="--asr-beam", help="ASR beam size (1: greedy)")
+    asr_window_s: float | None = option(  # None: Whisper's full 30 s window
+        DEFAULT_WINDOW_S,
+        parse=window_seconds,
+        help="seconds of audio the ASR encoder sees for a short turn (0: Whisper's full 30 s; 10 measured best)",
+    )
+    tts: str = option("hibari", parse=tts_choice, help=tts_help)
+    turn_end: TurnEnd = option(factory=TurnEnd)  # the silence after the last voiced frame that ends a turn
+    preemptive: bool = option(  # start the answer at the pause, held until the turn is confirmed
+        True, help="start the answer only once the turn has ended (default: at the pause, held until it ends)"
+    )
+    prefill_while_speaking: bool = option(  # prefill the user's words from the partial transcripts as they come
+        True, help="prefill the user's words only once the answer starts (default: from the partial transcripts)"
+    )
+    first_chunk_words: int = option(3)  # measured: 3 words cut the first-chunk stage from 770 to 568 ms (w8a8)
+    history_turns: int = option(4)  # user/assistant pairs kept in the prompt at most (prompt_tokens bounds them too)
 
 
 class Conversation:

@@ -38,6 +38,11 @@ _HOP_LENGTH = 160  # samples per mel frame (10 ms at 16 kHz)
 DEFAULT_CPU_THREADS = 1
 
 
+def window_seconds(text: str) -> float | None:
+    """--asr-window-s read: a window in seconds, 0 for Whisper's full one (None)."""
+    return float(text) or None
+
+
 def _package_data(package: str) -> Path:
     try:
         return Path(str(resources.files(package).joinpath("data")))

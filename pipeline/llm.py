@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from specdec.build import k_policy_factory
 from specdec.engine import EndProbe, GenerationConfig, PromptError, SpeculativeEngine
+from specdec.kpolicy import KPolicy
 from specdec.metrics import SpecStats
 from specdec.sampling import SamplingParams
 from specdec.scheduler import BatchScheduler
@@ -136,7 +137,8 @@ class EngineLLM:
         self.session = session  # KV caches kept between this conversation's turns
         self.rewind_to = len(session.target.tokens) if session is not None else 0  # the shared prefix, prefilled
         self._spoken_prefix: tuple[list[int], int] | None = None  # prefill_words' tokens, and where the words begin
-        self.k: str | None = None  # None: the engine's default K policy
+        self.k: str | None = None  # as configured; None: the engine's default K policy
+        self.k_policy: Callable[[], KPolicy] | None = None  # k read once: a fresh policy per reply
         self.load_aware = True  # batched: K capped by load (specdec/scheduler.py)
 
     def configure(
@@ -155,7 +157,7 @@ class EngineLLM:
                 raise ValueError("switching drafters needs a conversation session")
             self.session.use_drafter(drafter)
         if k is not None:
-            k_policy_factory(k)  # validates
+            self.k_policy = k_policy_factory(k)
             self.k = k
         if temperature is not None:
             self.sampling = SamplingParams(temperature, self.sampling.top_p)
@@ -250,13 +252,12 @@ class EngineLLM:
             ids, start = self._spoken_prefix
             stats.prefilled_while_speaking_tokens = max(0, common_prefix_length(prompt, ids) - start)
             self._spoken_prefix = None
-        policy = k_policy_factory(self.k) if self.k else None
         config = GenerationConfig(
             self.max_new_tokens,
             self.sampling,
             self.seed,
             speculation,
-            policy,
+            self.k_policy,
             self.load_aware,
             question_start,
             self._end_probe(fitted, prompt, question_start) if end_probe else None,

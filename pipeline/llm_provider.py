@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from specdec.build import EngineSpec, build_engine
 from specdec.cost_grid import cached_forward_costs
 from specdec.engine import SpeculativeEngine
+from specdec.fields import option
 from specdec.sampling import SamplingParams
 from specdec.scheduler import PREFILL_CHUNK, BatchScheduler
 from specdec.session import EngineSession
@@ -26,17 +27,33 @@ LLM_WARMUP_STEPS = ("forward costs for the load-aware K", "LLM, speculation off"
 
 @dataclass
 class LLMConfig:
-    engine: EngineSpec = field(default_factory=EngineSpec)
-    max_new_tokens: int = 80
-    # The whole prompt (system, history, the user's turn) in tokens, the oldest turns dropped first: a batch step
-    # re-reads at most this much of one conversation. Capped by the model's context less max_new_tokens.
-    prompt_tokens: int = 2048
-    prefill_chunk: int = PREFILL_CHUNK  # batched: a prompt is read this many tokens per step, beside the others'
+    """The LLM stage's configuration, each field but the system prompt a command-line option (specdec/fields.py)."""
+
+    engine: EngineSpec = option(factory=EngineSpec)
+    max_new_tokens: int = option(80)
+    # A batch step re-reads at most this much of one conversation. Capped by the model's context less max_new_tokens.
+    prompt_tokens: int = option(
+        2048,
+        flag="--max-prompt-tokens",
+        at_least=1,
+        help="the whole prompt (system, history, the user's turn) in tokens; the oldest exchanges go first",
+    )
+    prefill_chunk: int = option(
+        PREFILL_CHUNK,
+        at_least=1,
+        help="a long prompt is read this many tokens per batched step, so one user cannot stall the others",
+    )
     system_prompt: str = SYSTEM_PROMPT
-    temperature: float = 0.0
-    seed: int = 0
-    llm_url: str | None = None  # an OpenAI-compatible server (e.g. vLLM) instead of the in-process engine
-    llm_url_no_spec: str | None = None  # optional target-only server, for speculation-off turns
+    temperature: float = option(0.0)
+    seed: int = option(
+        0,
+        help="sampling seed: the same seed gives the same answer with a fixed --k and --no-auto-off "
+        "(AdaptiveK and the governor decide from measured times)",
+    )
+    llm_url: str | None = option(
+        None, help="use an OpenAI-compatible server (e.g. vLLM) as the LLM stage instead of the engine"
+    )
+    llm_url_no_spec: str | None = option(None, help="a target-only server for speculation-off turns")
 
 
 class LLMProvider:

@@ -4,7 +4,7 @@ library.
 Replies stream from POST /v1/chat/completions (server-sent events). Speculation facts come from the
 server's Prometheus endpoint: vLLM's counters (pipeline/vllm_metrics.py) are scraped before and after each reply and
 the difference fills ReplyStats.spec, so the panels that show the in-process engine show a remote one too.
-`python -m pipeline.vllm_serve` prints the `vllm serve` line for such a server.
+`specvoice vllm-serve` prints the `vllm serve` line for such a server.
 """
 
 from __future__ import annotations

@@ -161,6 +161,21 @@ def tts_problem(name: str) -> str | None:
     return coqui_problem_here() if engine == "coqui" else None
 
 
+def tts_choice(name: str) -> str:
+    """--tts read: an engine that can be used here, by its name (ValueError saying why not: tts_problem)."""
+    problem = tts_problem(name)
+    if problem:
+        raise ValueError(problem)
+    return name.strip().lower()
+
+
+def tts_help() -> str:
+    """--tts's help: the engines offered here, and why not Coqui where it cannot load."""
+    offered = offered_tts()
+    coqui = "" if "coqui" in offered else f"; not coqui here: {tts_problem('coqui')}"
+    return f"{', '.join(offered)} (default %(default)s){coqui}"
+
+
 def make_tts(name: str = DEFAULT_TTS, device: str = "cpu") -> TTS:
     """A TTS engine by name: "hibari" (default), "piper", "coqui" (where it can load: coqui_problem_here).
 

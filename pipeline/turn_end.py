@@ -16,6 +16,8 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
+from specdec.fields import option
+
 # A phrase ending in one of these words is unfinished whatever its punctuation: Whisper often closes a cut-off
 # phrase with "?" or "." ("What is the capital of?").
 UNFINISHED_WORDS = frozenset(
@@ -82,14 +84,42 @@ class TurnEnd:
     not, and incomplete_ms while the words are not known yet. mode "smart": the audio's and the words' votes
     (`decide`), with audio_threshold and words_threshold on their probabilities."""
 
-    mode: EndOfTurnMode = "smart"
-    silence_ms: float = 300.0
-    complete_ms: float = 200.0
-    unsure_ms: float = 700.0
-    incomplete_ms: float = 1000.0
+    mode: EndOfTurnMode = option(
+        "smart",
+        flag="--end-of-turn",
+        choices=MODES,
+        help="smart: Smart Turn's audio model and the target's words vote at each pause (falls back to words when "
+        "the model is missing); words: the silence depends on whether the transcript looks finished; "
+        "silence: always --hangover-ms",
+    )
+    silence_ms: float = option(300.0, flag="--hangover-ms", help="--end-of-turn silence: the silence that ends a turn")
+    complete_ms: float = option(
+        200.0,
+        flag="--hangover-complete-ms",
+        help="--end-of-turn smart or words: the silence after words that look finished",
+    )
+    unsure_ms: float = option(
+        700.0,
+        flag="--hangover-unsure-ms",
+        help="--end-of-turn smart or words: the silence after words that may or may not go on (… in?, … have?)",
+    )
+    incomplete_ms: float = option(
+        1000.0,
+        flag="--hangover-incomplete-ms",
+        help="--end-of-turn smart or words: the silence after words that trail off (… of, and …), or not yet "
+        "transcribed",
+    )
     # chosen on assets/utterances-turns-tune with `bench-turn --replay` (docs/results.md)
-    audio_threshold: float = 0.1
-    words_threshold: float = 0.2
+    audio_threshold: float = option(
+        0.1,
+        flag="--turn-audio-threshold",
+        help="--end-of-turn smart: Smart Turn's P(finished) at or above this votes finished",
+    )
+    words_threshold: float = option(
+        0.2,
+        flag="--turn-words-threshold",
+        help="--end-of-turn smart: the target's P(end of message) at or above this votes finished",
+    )
     # the transcript may vote finished before the target's forward has read the words: a shorter wait on finished
     # questions, but Whisper closes fragments with "." and "?" too ("Can you explain?"), and falling speech agrees
     transcript_stands_in: bool = False

@@ -1,14 +1,12 @@
-"""Serving what the engine options name with vLLM: `python -m pipeline.vllm_serve [engine options]` prints the
-`vllm serve` line (vllm_serve_command) for a server that --llm-url can then use as the LLM stage.
+"""Serving what the engine options name with vLLM: the `vllm serve` line (vllm_serve_command) that
+`specvoice vllm-serve [engine options]` prints, for a server that --llm-url can then use as the LLM stage.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import shlex
 
-from specdec.build import EngineSpec
+from specdec.build import EngineSpec, fixed_k
 from specdec.drafters import NGramDrafter
 from specdec.models import PRESETS
 
@@ -32,7 +30,7 @@ def vllm_serve_command(spec: EngineSpec, port: int = 8000, max_num_seqs: int = 2
     command = ["vllm", "serve", _vllm_model(spec.target, "--target"), "--port", str(port), "--dtype", spec.dtype]
     if spec.draft == "none":
         return command
-    k = int(spec.k) if spec.k.isdigit() else spec.k_max
+    k = fixed_k(spec.k) or spec.k_max
     config: dict[str, object]
     if spec.draft == "ngram":
         ngram = NGramDrafter()  # the n-gram sizes our drafter looks up
@@ -55,28 +53,3 @@ def _vllm_model(name: str, option: str) -> str:
     if preset.hub_id is None:
         raise ValueError(f"{option} {name}: a preset without a hub model, so nothing vLLM can load")
     return preset.hub_id
-
-
-def main(argv: list[str] | None = None) -> None:
-    # Imported here: the command-line options import the whole voice agent, which the LLM stage does not need.
-    from .options import add_engine_arguments, spec_from_args
-
-    parser = argparse.ArgumentParser(
-        prog="python -m pipeline.vllm_serve",
-        description="Print the `vllm serve` command that serves what these engine options name, for --llm-url.",
-    )
-    add_engine_arguments(parser)
-    parser.add_argument("--port", type=int, default=8000, help="the port vLLM listens on")
-    parser.add_argument(
-        "--max-num-seqs", type=int, default=256, help="the most sequences vLLM batches (with a batch-size limit)"
-    )
-    args = parser.parse_args(argv)
-    try:
-        command = vllm_serve_command(spec_from_args(args), args.port, args.max_num_seqs)
-    except ValueError as e:
-        parser.error(str(e))
-    print(shlex.join(command))
-
-
-if __name__ == "__main__":
-    main()

@@ -227,6 +227,7 @@ def main() -> int:
 
     import app.loader as loader_mod
     import app.server as server_mod
+    import commands.app as app_command
     import pipeline.agent as agent_mod
     import pipeline.llm_provider as provider_mod
     import specdec.build as build_mod
@@ -235,8 +236,8 @@ def main() -> int:
     mark("imports (torch, app, pipeline, specdec)")
 
     parser = argparse.ArgumentParser()
-    server_mod.add_arguments(parser)
-    config, options = server_mod.server_setup(parser.parse_args([]))
+    app_command.add_arguments(parser)
+    config, options = app_command.server_setup(parser.parse_args([]))
     e = config.engine
     print(
         f"config: target {e.target} {e.target_quant} {e.dtype}, draft {e.draft} {e.draft_quant}, batched "

@@ -12,6 +12,7 @@ from . import compute
 from .cost_grid import cached_min_feed
 from .drafters import Drafter, DraftModelDrafter, NGramDrafter, OpeningEchoDrafter, restrict_vocab
 from .engine import SpeculativeEngine
+from .fields import option
 from .heads_drafter import HEADS_MIN_PROB, HeadsDrafter
 from .heads_file import default_heads_path, load_heads
 from .kpolicy import AdaptiveK, FixedK, KPolicy
@@ -25,7 +26,7 @@ from .models import (
     memory_bytes,
     release_free_memory,
 )
-from .quant import quantize_linears, replace_linears
+from .quant import TARGET_QUANTS, quantize_linears, replace_linears
 from .quant_cache import early_packing, quantized_cache_path
 from .quant_layers import w8a8_layer
 from .quant_smooth import CALIBRATION_TEXT
@@ -39,62 +40,142 @@ class IncompatibleDraftError(ValueError):
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+@dataclass(frozen=True)
+class DeviceDefaults:
+    """What the options marked (device) take on a device where they are left "" or None."""
+
+    cpu_formats: bool  # the CPU weight formats (specdec/quant.py) run there
+    target_quant: str
+    draft_quant: str
+    draft_min_prob: float  # of the drafter asked about
+
+
+def device_defaults(device: str, drafter: str = "heads") -> DeviceDefaults:
+    """The defaults of `device` (its torch device type, so cuda and cuda:1 alike), the one place they are decided.
+    On the CPU, the measured fastest there (docs/results.md, bench-target): the w8a8 target, the int8 draft, and the
+    drafter's measured confidence gate (its preset's draft_min_prob; HEADS_MIN_PROB for heads, `drafter` "heads" or
+    "heads:FILE"). Elsewhere no CPU format and no gate: those were measured here, where each verified draft costs a
+    share of a forward."""
+    try:
+        on_cpu = torch.device(device).type == "cpu"
+    except RuntimeError:
+        raise ValueError(f"--device must be cpu, cuda or cuda:N, got {device!r}") from None
+    if not on_cpu:
+        return DeviceDefaults(False, "none", "none", 0.0)
+    if drafter == "heads" or drafter.startswith("heads:"):
+        gate = HEADS_MIN_PROB
+    else:
+        preset = PRESETS.get(drafter)
+        gate = preset.draft_min_prob if preset else 0.0
+    return DeviceDefaults(True, "w8a8", "int8", gate)
+
+
+def fixed_k(k: str) -> int | None:
+    """--k read: its number of drafts per step, or None for "adaptive"."""
+    if k == "adaptive":
+        return None
+    try:
+        fixed = int(k)
+    except ValueError:
+        raise ValueError(f"--k must be an integer or 'adaptive', got {k!r}") from None
+    FixedK(fixed)  # validates
+    return fixed
+
+
 @dataclass(kw_only=True)  # many same-typed fields, easily swapped: every caller names them
 class EngineSpec:
-    """What to build. The fields left "" or None take the defaults of `device` (its torch device type, so cuda and
-    cuda:1 alike) and of the target preset when the spec is made; a CPU-only format asked for on another device is
-    refused then, not swapped."""
+    """What to build, each field a command-line option (specdec/fields.py). The fields left "" or None take the
+    defaults of `device` (device_defaults) and of the target preset when the spec is made, or for the confidence gate,
+    of each drafter when it is built; a CPU-only format asked for on another device is refused then, not swapped."""
 
-    target: str = "qwen-1.5b"
-    # A model, "heads" (draft heads on the target), "ngram", or "none"; "": the target preset's draft (Preset.draft),
-    # else heads. heads: as fast as the 0.5B draft here, 1.1 GB less memory, and no drafting before the first token,
-    # so speculation no longer delays it (docs/results.md).
-    draft: str = ""
-    heads: str = ""  # --draft heads: the heads file; "" for the target preset's shipped ones (assets/heads/)
-    k: str = "adaptive"  # an integer, or "adaptive"
-    k_min: int = 3
-    k_max: int = 6
-    dtype: str = "bfloat16"
-    device: str = "cpu"  # cpu, cuda or cuda:N
-    # The target's Linear weights: "w8a8", "int8"/"int4" weight-only (CPU kernels), or "none" (--dtype); see
-    # specdec/quant.py. "": w8a8 on the CPU, measured fastest with speculation here (docs/results.md, bench-target);
-    # none elsewhere.
-    target_quant: str = ""
-    # Cheaper draft forwards (lossless: the target verifies every token): "int8" (the w8a8 layers, CPU) or "none";
-    # "": int8 on the CPU, none elsewhere.
-    draft_quant: str = ""
-    draft_vocab: int = 0  # draft LM head over the first N token ids; 0 keeps the whole vocabulary
-    disable_by_batch_size: int | None = None  # vLLM's --speculative-disable-by-batch-size
+    target: str = option("qwen-1.5b", help="preset, local directory or hub id")
+    # heads: as fast as the 0.5B draft here, 1.1 GB less memory, and no drafting before the first token, so
+    # speculation no longer delays it (docs/results.md).
+    draft: str = option(
+        "",
+        help="draft preset/path/hub id, 'heads' (draft heads on the target), 'ngram' or 'none' (default: the target "
+        "preset's draft, qwen-0.5b-instruct for qwen-7b; else heads)",
+    )
+    heads: str = option(
+        "", help="--draft heads: a heads file from `specvoice train-heads` (default: the target's shipped heads)"
+    )
+    k: str = option("adaptive", help="drafts per step: an integer or 'adaptive'")
+    k_min: int = option(3)
+    k_max: int = option(6)
+    dtype: str = option("bfloat16", choices=tuple(DTYPES))
+    device: str = option("cpu", help="cpu, cuda or cuda:N; sets the defaults marked (device)")
+    target_quant: str = option(
+        "",
+        choices=TARGET_QUANTS,
+        help="the target's Linear weights: none (--dtype), int8 or int4 weight-only, w8a8 (int8 weights and "
+        "per-token int8 activations, on oneDNN where the CPU has AMX, else fbgemm; w8a8-onednn / w8a8-fbgemm pick "
+        "one); all but none are CPU formats, all keep speculation lossless against that target (device: w8a8 on "
+        "cpu, none on cuda)",
+    )
+    # cheaper draft forwards, lossless: the target verifies every token
+    draft_quant: str = option(
+        "",
+        choices=("int8", "none"),
+        help="int8: the target's w8a8 Linear layers for the draft model and the heads, a CPU format (device: int8 "
+        "on cpu, none on cuda)",
+    )
+    draft_vocab: int = option(0, help="draft LM head over the first N token ids (0: whole vocabulary)")
+    disable_by_batch_size: int | None = option(
+        None,
+        flag="--speculative-disable-by-batch-size",
+        at_least=1,
+        help="vLLM's meaning: no drafting in a step while more sequences than this are decoding (default: never; "
+        "the load-aware K already drops drafts where the measured forward costs say they lose)",
+    )
     batched: bool = False  # answers go through a BatchScheduler, batched with each other (the app; bench-load)
-    load_aware: bool = True  # a batch's K chosen from measured forward costs and acceptance (specdec/scheduler.py)
-    # Stop drafting below this top-token probability. None: on the CPU the drafter's measured value (its preset's,
-    # HEADS_MIN_PROB); elsewhere 0, as those were measured here, where each verified draft costs a share of a forward.
-    draft_min_prob: float | None = None
-    auto_off: bool = True  # the governor may switch speculation off where it measures it slower
-    # Heads draft an answer's opening tokens from the words of its prompt instead (drafters.OpeningEchoDrafter).
-    opening_echo: bool = True
-    compile: bool = False  # torch.compile the target's dense layer halves (BatchRunner); measured, not faster here
+    # on: a batch's K chosen from measured forward costs and acceptance (specdec/scheduler.py)
+    load_aware: bool = option(
+        True,
+        help="batched conversations keep their own K policy instead of the K chosen from load and acceptance",
+    )
+    # None: each drafter's default on the device (gate, device_defaults)
+    draft_min_prob: float | None = option(
+        None,
+        help="stop drafting where the draft's top token has a lower probability (0: always K; device: on cpu the "
+        "drafter's value measured there, 0.35 for qwen-0.5b; 0 on cuda)",
+    )
+    # off: drafters.OpeningEchoDrafter is left out
+    opening_echo: bool = option(
+        True, help="heads draft an answer's opening themselves, instead of from the words of the question"
+    )
+    # in BatchRunner
+    compile: bool = option(
+        False,
+        help="torch.compile the target's dense layer halves (off by default: not faster on this CPU, docs/results.md)",
+    )
+    auto_off: bool = option(
+        True,
+        help="never let the governor switch speculation off (with a fixed --k, a sampling seed then "
+        "reproduces its answer: see SpeculativeEngine)",
+    )
 
     def __post_init__(self) -> None:
-        try:
-            on_cpu = torch.device(self.device).type == "cpu"
-        except RuntimeError:
-            raise ValueError(f"--device must be cpu, cuda or cuda:N, got {self.device!r}") from None
+        fixed_k(self.k)  # validates
+        device = device_defaults(self.device)
         if not self.draft:
             preset = PRESETS.get(self.target)
             self.draft = preset.draft if preset and preset.draft else "heads"
-        self.target_quant = self.target_quant or ("w8a8" if on_cpu else "none")
-        self.draft_quant = self.draft_quant or ("int8" if on_cpu else "none")
-        if on_cpu:
-            return
-        if self.draft_min_prob is None:
-            self.draft_min_prob = 0.0
-        for option, value in (("--target-quant", self.target_quant), ("--draft-quant", self.draft_quant)):
-            if value != "none":
+        self.target_quant = self.target_quant or device.target_quant
+        self.draft_quant = self.draft_quant or device.draft_quant
+        for option_name, value in (("--target-quant", self.target_quant), ("--draft-quant", self.draft_quant)):
+            if value != "none" and not device.cpu_formats:
                 raise ValueError(
-                    f"{option} {value} is a CPU format (specdec/quant.py), not for --device {self.device}: leave "
-                    f"{option} out there (none)"
+                    f"{option_name} {value} is a CPU format (specdec/quant.py), not for --device {self.device}: leave "
+                    f"{option_name} out there (none)"
                 )
+
+    def gate(self, drafter: str) -> float:
+        """draft_min_prob for `drafter` (a --draft value): the one given, else the device's default for it."""
+        return (
+            self.draft_min_prob
+            if self.draft_min_prob is not None
+            else device_defaults(self.device, drafter).draft_min_prob
+        )
 
 
 # The tiny random pair (float32, whole draft, no int8): instant to load, gibberish answers. For tests and for
@@ -111,13 +192,10 @@ TINY_ENGINE = EngineSpec(
 
 
 def k_policy_factory(k: str, k_min: int = 3, k_max: int = 6) -> Callable[[], KPolicy]:
-    if k == "adaptive":
+    """--k read once: what makes each answer's K policy (a new one per answer, AdaptiveK learns within one)."""
+    fixed = fixed_k(k)
+    if fixed is None:
         return lambda: AdaptiveK(k_min, k_max)
-    try:
-        fixed = int(k)
-    except ValueError:
-        raise ValueError(f"--k must be an integer or 'adaptive', got {k!r}") from None
-    FixedK(fixed)  # validates
     return lambda: FixedK(fixed)
 
 
@@ -150,10 +228,7 @@ def prepare_draft_model(draft: LoadedModel, spec: EngineSpec, target: LoadedMode
         raise ValueError(f"--draft-quant must be int8 or none, got {spec.draft_quant!r}")
     runner = BatchRunner(model, draft.device)
     runner.min_feed = cached_min_feed(runner, draft.name)
-    min_prob = spec.draft_min_prob
-    if min_prob is None:
-        preset = PRESETS.get(draft.name)
-        min_prob = preset.draft_min_prob if preset else 0.0
+    min_prob = spec.gate(draft.name)
     return lambda: DraftModelDrafter(runner, keep_ids, vocab, min_prob)
 
 
@@ -172,7 +247,7 @@ def heads_drafter_factory(spec: EngineSpec, target: LoadedModel, path: Path) -> 
     heads = load_heads(path, target.model, spec.target).to(target.device)
     if spec.draft_quant == "int8":
         replace_linears(heads, w8a8_layer())
-    min_prob = spec.draft_min_prob if spec.draft_min_prob is not None else HEADS_MIN_PROB
+    min_prob = spec.gate("heads")
     log(f"draft heads: {heads.cfg.kind}, {len(heads.vocab_ids)}-token vocabulary, {spec.draft_quant}, from {path}")
     if not spec.opening_echo:
         return lambda: HeadsDrafter(heads, min_prob)

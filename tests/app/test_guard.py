@@ -21,9 +21,9 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from websockets.exceptions import ConnectionClosedError, InvalidStatus
 from websockets.sync.client import ClientConnection, connect
 
-from app import server
 from app.guard import AllowedList, Guard, header_timeout_protocol
 from app.protocol import WS_PATH
+from commands import app as app_command
 from tests.support.browser import free_port, gated_build, recv_until, running_app
 
 DOCKER = "http://localhost:8080"  # the page's origin under docker run -p 8080:7860
@@ -73,11 +73,11 @@ def test_configured_names_widen_the_list_exactly():
 
 def test_options_take_hosts_and_caps(capsys):
     parser = argparse.ArgumentParser()
-    server.add_arguments(parser)
+    app_command.add_arguments(parser)
     args = parser.parse_args(["--allowed-host", "specvoice:7860", "--max-sessions", "5", "--max-sessions-per-client=2"])
-    options = server.server_setup(args)[1]
+    options = app_command.server_setup(args)[1]
     assert (options.allowed_hosts, options.max_sessions, options.max_sessions_per_client) == (("specvoice:7860",), 5, 2)
-    defaults = server.server_setup(parser.parse_args([]))[1]
+    defaults = app_command.server_setup(parser.parse_args([]))[1]
     assert (defaults.allowed_hosts, defaults.max_sessions, defaults.max_sessions_per_client) == ((), 64, 8)
     for bad in (["--allowed-host", "http://specvoice"], ["--allowed-host", "*.example"], ["--max-sessions", "0"]):
         with pytest.raises(SystemExit):

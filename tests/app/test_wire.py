@@ -25,7 +25,8 @@ from app.protocol import (
     pack_audio,
     unpack_audio,
 )
-from pipeline.options import agent_config_from_args
+from commands import app as app_command
+from commands.options import agent_config_from_args
 from pipeline.preemptive import Hold
 from pipeline.timeline import STAGES
 from tests.support.browser import gated_build, running_app
@@ -127,10 +128,10 @@ def test_allowed_origins(origin, host, bind, allowed, ok):
 
 def test_allowed_origin_option_takes_exact_origins_only(capsys):
     parser = argparse.ArgumentParser()
-    server.add_arguments(parser)
-    assert server.server_setup(parser.parse_args([]))[1].allowed_origins == ()  # no other origin by default
+    app_command.add_arguments(parser)
+    assert app_command.server_setup(parser.parse_args([]))[1].allowed_origins == ()  # no other origin by default
     args = parser.parse_args(["--allowed-origin", PROXY, "--allowed-origin", "http://localhost:8080"])
-    assert server.server_setup(args)[1].allowed_origins == (PROXY, "http://localhost:8080")
+    assert app_command.server_setup(args)[1].allowed_origins == (PROXY, "http://localhost:8080")
     for bad in ("*", "https://*.example.com", "null", "gpu.example.com", "ftp://gpu.example.com", f"{PROXY}/app"):
         with pytest.raises(SystemExit):
             parser.parse_args(["--allowed-origin", bad])
@@ -238,7 +239,7 @@ def test_report_from_turn_dicts():
 
 def test_cli_options_reach_the_server():
     parser = argparse.ArgumentParser()
-    server.add_arguments(parser)
+    app_command.add_arguments(parser)
     args = parser.parse_args(
         [
             "--port",
@@ -270,12 +271,12 @@ def test_cli_options_reach_the_server():
     assert (config.prefill_while_speaking, config.asr_model, config.tts) == (True, "base", "piper")
     assert (config.engine.draft, config.engine.k) == ("ngram", "adaptive")
     assert (config.prompt_tokens, config.prefill_chunk) == (900, 64)
-    config, options = server.server_setup(args)
+    config, options = app_command.server_setup(args)
     assert config.engine.batched and config.engine.load_aware and options.max_concurrent_answers == 2
     parser = argparse.ArgumentParser()
-    server.add_arguments(parser)
+    app_command.add_arguments(parser)
     args = parser.parse_args(["--llm-url", "http://gpu:8000/v1", "--background-conversations", "3"])
-    config, options = server.server_setup(args)
+    config, options = app_command.server_setup(args)
     assert not config.engine.batched  # the remote server batches; nothing to batch here
     assert options.max_concurrent_answers == server.ServerOptions.max_concurrent_answers
     assert options.background_conversations == 3

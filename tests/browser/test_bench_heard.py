@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from commands import bench_heard, cli
-from pipeline.options import agent_config_from_args
+from commands.options import agent_config_from_args
 from specdec.metrics import DEFINITIONS
 from tests.support.engine import ROOT
 

@@ -8,10 +8,10 @@ import types
 import numpy as np
 import pytest
 
+from commands.options import add_agent_arguments
 from pipeline import tts as tts_module
 from pipeline.asr import Transcriber
 from pipeline.audio import to_mono_16k
-from pipeline.options import add_agent_arguments
 from pipeline.tts import (
     ENGINES,
     TTS,

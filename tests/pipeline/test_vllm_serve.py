@@ -1,4 +1,4 @@
-"""The `vllm serve` line for specvoice's engine options (python -m pipeline.vllm_serve)."""
+"""The `vllm serve` line for specvoice's engine options (`specvoice vllm-serve`)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import shlex
 
 import pytest
 
-from pipeline import vllm_serve
 from pipeline.vllm_serve import vllm_serve_command
 from specdec.build import EngineSpec
+from tests.support.cli import specvoice
 
 
 def served_config(command: list[str]) -> dict:
@@ -58,11 +58,9 @@ def test_vllm_command_refuses_what_vllm_cannot_load(spec: EngineSpec, message: s
         vllm_serve_command(spec)
 
 
-def test_vllm_command_from_the_engine_options(capsys) -> None:
-    vllm_serve.main(["--draft", "qwen-0.5b", "--k", "4", "--speculative-disable-by-batch-size", "8"])
-    printed = shlex.split(capsys.readouterr().out)
+def test_vllm_command_from_the_engine_options() -> None:
+    out = specvoice("vllm-serve", "--draft", "qwen-0.5b", "--k", "4", "--speculative-disable-by-batch-size", "8").stdout
     spec = EngineSpec(draft="qwen-0.5b", k="4", disable_by_batch_size=8)
-    assert printed == vllm_serve_command(spec)
-    with pytest.raises(SystemExit):
-        vllm_serve.main([])  # the default drafter, heads
-    assert "--draft heads" in capsys.readouterr().err
+    assert shlex.split(out) == vllm_serve_command(spec)
+    refused = specvoice("vllm-serve", check=False)  # the default drafter, heads
+    assert refused.returncode == 2 and "--draft heads" in refused.stderr

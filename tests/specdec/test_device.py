@@ -8,20 +8,23 @@ import types
 import pytest
 import torch
 
+from commands.options import add_engine_arguments, spec_from_args
 from pipeline import asr
-from pipeline.options import add_engine_arguments, spec_from_args
 from specdec import build, models
-from specdec.build import TINY_ENGINE, EngineSpec, build_engine, build_engines
+from specdec.build import TINY_ENGINE, EngineSpec, build_engine, build_engines, device_defaults
 from specdec.drafters import restrict_vocab
 from specdec.engine import GenerationConfig, collect
+from specdec.heads_drafter import HEADS_MIN_PROB
 from specdec.models import PRESETS, ModelLoadError, memory_bytes, resolve_source
 from specdec.quant import TARGET_QUANTS
 from specdec.runner import fastest_min_feed
 from specdec.sampling import SamplingParams
 
-GPU_DEFAULTS = {"target_quant": "none", "draft_quant": "none", "dtype": "bfloat16", "draft_min_prob": 0.0}
+# draft_min_prob None: each drafter's gate on the device (EngineSpec.gate), no gate on a GPU.
+GPU_DEFAULTS = {"target_quant": "none", "draft_quant": "none", "dtype": "bfloat16", "draft_min_prob": None}
 # What the CPU has always got (docs/results.md): the w8a8 target, the int8 draft, each drafter's measured gate.
 CPU_DEFAULTS = {"target_quant": "w8a8", "draft_quant": "int8", "dtype": "bfloat16", "draft_min_prob": None}
+DRAFTERS = ("heads", "heads:my.heads", "qwen-0.5b", "tiny-random-draft", "org/some-draft")
 CPU_ONLY = [("target_quant", q) for q in TARGET_QUANTS if q != "none"] + [("draft_quant", "int8")]
 
 
@@ -40,18 +43,32 @@ def test_any_cuda_device_gets_the_gpu_defaults(device):
     spec = EngineSpec(device=device)
     assert defaults(spec) == GPU_DEFAULTS and spec.draft == "heads"
     assert cli_spec("--device", device) == spec
+    assert [spec.gate(drafter) for drafter in DRAFTERS] == [0.0] * len(DRAFTERS)
 
 
 def test_the_cpu_keeps_its_defaults():
     assert defaults(EngineSpec()) == defaults(EngineSpec(device="cpu")) == CPU_DEFAULTS
     assert EngineSpec().draft == "heads"
     assert cli_spec() == EngineSpec()
+    # each drafter's gate measured here: the heads' (HEADS_MIN_PROB), the 0.5B draft's, none for an unknown model
+    gates = [EngineSpec().gate(drafter) for drafter in DRAFTERS]
+    assert gates == [HEADS_MIN_PROB, HEADS_MIN_PROB, PRESETS["qwen-0.5b"].draft_min_prob, 0.0, 0.0]
+    assert PRESETS["qwen-0.5b"].draft_min_prob == 0.35
+
+
+def test_the_device_defaults_are_decided_in_one_place():
+    for device in ("cpu", "cuda", "cuda:1"):
+        d = device_defaults(device)
+        spec = EngineSpec(device=device)
+        assert (spec.target_quant, spec.draft_quant) == (d.target_quant, d.draft_quant)
+        assert spec.gate("qwen-0.5b") == device_defaults(device, "qwen-0.5b").draft_min_prob
+        assert d.cpu_formats == (device == "cpu")
 
 
 def test_the_tiny_engine_is_the_same_on_every_device():
     assert (TINY_ENGINE.target_quant, TINY_ENGINE.draft_quant, TINY_ENGINE.dtype) == ("none", "none", "float32")
     on_gpu = dataclasses.replace(TINY_ENGINE, device="cuda:0")  # a test-device switch does this
-    assert dataclasses.replace(on_gpu, device="cpu", draft_min_prob=None) == TINY_ENGINE
+    assert dataclasses.replace(on_gpu, device="cpu") == TINY_ENGINE  # the gate is not the GPU's once made
 
 
 @pytest.mark.parametrize(("field", "value"), CPU_ONLY)
@@ -70,7 +87,8 @@ def test_a_cpu_format_is_taken_on_the_cpu(field, value):
 
 
 def test_a_gate_the_user_gives_is_kept_on_a_gpu():
-    assert EngineSpec(device="cuda", draft_min_prob=0.35).draft_min_prob == 0.35
+    assert EngineSpec(device="cuda", draft_min_prob=0.35).gate("heads") == 0.35
+    assert EngineSpec(draft_min_prob=0.2).gate("qwen-0.5b") == 0.2
     assert cli_spec("--device", "cuda:0", "--draft-min-prob", "0.2").draft_min_prob == 0.2
 
 
