@@ -15,6 +15,7 @@ import numpy as np
 
 from pipeline.agent import Conversation, VoiceAgent
 from pipeline.audio import AudioError
+from pipeline.llm import Controls
 from pipeline.preemptive import Hold
 from pipeline.timeline import Timeline
 from pipeline.turn_result import TurnResult
@@ -196,7 +197,7 @@ class TurnRunner:
             return
         try:
             with conv.lock:
-                conv.llm.configure(**changes)
+                conv.llm.configure(Controls(**changes))
             self._applied.update(changes)
         except ValueError as e:  # answer anyway, with the settings the conversation already has
             self.outbox.put({"type": "error", "message": f"settings not applied: {e}"})

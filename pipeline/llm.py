@@ -70,6 +70,17 @@ class ReplyStats:
         return later / max(self.last_token_t - self.first_token_t, 1e-9)
 
 
+@dataclass(frozen=True)
+class Controls:
+    """The page's per-conversation controls (None: leave it as it is): the drafter ("draft-model", "heads",
+    "ngram"), K ("4", "adaptive"), the temperature, and whether a batched answer's K is capped by load."""
+
+    drafter: str | None = None
+    k: str | None = None
+    temperature: float | None = None
+    load_aware: bool | None = None
+
+
 class LLMStage(Protocol):
     """What a conversation's LLM stage does for its callers (EngineLLM, the remote server's, a test's fake)."""
 
@@ -87,13 +98,7 @@ class LLMStage(Protocol):
         end_of_message_probability where the stage can read it (None elsewhere)."""
         ...
 
-    def configure(
-        self,
-        drafter: str | None = None,
-        k: str | None = None,
-        temperature: float | None = None,
-        load_aware: bool | None = None,
-    ) -> None:
+    def configure(self, controls: Controls) -> None:
         """The page's per-conversation controls; ValueError where the stage has none of them."""
         ...
 
@@ -141,26 +146,19 @@ class EngineLLM:
         self.k_policy: Callable[[], KPolicy] | None = None  # k read once: a fresh policy per reply
         self.load_aware = True  # batched: K capped by load (specdec/scheduler.py)
 
-    def configure(
-        self,
-        drafter: str | None = None,
-        k: str | None = None,
-        temperature: float | None = None,
-        load_aware: bool | None = None,
-    ) -> None:
-        """Per-conversation controls: drafter ("draft-model" / "heads" / "ngram"), K ("4" / "adaptive"), temperature,
-        and whether a batched answer's K is capped by load."""
-        if load_aware is not None:
-            self.load_aware = load_aware
-        if drafter is not None:
+    def configure(self, controls: Controls) -> None:
+        c = controls
+        if c.load_aware is not None:
+            self.load_aware = c.load_aware
+        if c.drafter is not None:
             if self.session is None:
                 raise ValueError("switching drafters needs a conversation session")
-            self.session.use_drafter(drafter)
-        if k is not None:
-            self.k_policy = k_policy_factory(k)
-            self.k = k
-        if temperature is not None:
-            self.sampling = SamplingParams(temperature, self.sampling.top_p)
+            self.session.use_drafter(c.drafter)
+        if c.k is not None:
+            self.k_policy = k_policy_factory(c.k)
+            self.k = c.k
+        if c.temperature is not None:
+            self.sampling = SamplingParams(c.temperature, self.sampling.top_p)
 
     def rewind(self) -> None:
         """Only the shared system-prompt prefix (cached when this stage was made) stays cached."""

@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterable, Iterator
 from urllib.parse import urlsplit
 
-from .llm import LLMDelta, ReplyStats
+from .llm import Controls, LLMDelta, ReplyStats
 from .vllm_metrics import SpecCounters, add_spec_delta, spec_counters
 
 
@@ -149,13 +149,7 @@ class OpenAICompatibleLLM:
 
     # -- the stage ----------------------------------------------------------------------------------
 
-    def configure(
-        self,
-        drafter: str | None = None,
-        k: str | None = None,
-        temperature: float | None = None,
-        load_aware: bool | None = None,
-    ) -> None:
+    def configure(self, controls: Controls) -> None:
         raise ValueError("a remote LLM server has no drafter/K/temperature controls here")
 
     def prefill_words(self, messages: list[dict[str, str]]) -> None:

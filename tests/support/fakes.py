@@ -23,7 +23,7 @@ class ScriptedLLM:
         self.end_of_message_probability = end_of_message_probability
         self.seen_messages: list[list[dict]] = []
 
-    def configure(self, drafter=None, k=None, temperature=None, load_aware=None):
+    def configure(self, controls):
         raise ValueError("this LLM stage has no drafter/K/temperature controls")
 
     def prefill_words(self, messages):
