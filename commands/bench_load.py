@@ -38,7 +38,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
     parser.add_argument("--concurrency", default="1,2,4,8,16", help="comma-separated numbers of conversations")
     parser.add_argument("--max-new-tokens", type=positive_int, default=48, help="per answer")
-    parser.add_argument("--seconds", type=float, default=10.0, help="measured window per N, mode and round")
+    parser.add_argument(
+        "--seconds",
+        type=float,
+        default=10.0,
+        help="measured window per N, mode and round (longer, until every conversation has stepped in it)",
+    )
     parser.add_argument(
         "--rounds", type=positive_int, default=2, help="windows per N and mode, the modes' order reversed each round"
     )
@@ -66,7 +71,7 @@ def run_window(
     args: argparse.Namespace,
 ) -> tuple[list[list[StepEvent]], float]:
     """n conversations answering prompts back to back; each one's steps within `seconds` once every one has
-    started, and the window's length."""
+    started (longer, until each has stepped in it), and the window's length."""
     scheduler = BatchScheduler(engine, costs if mode == "load_aware" else None)
     config = GenerationConfig(args.max_new_tokens, speculate=mode != "off", k_policy=lambda: FixedK(FIXED_K))
     seen: list[list[tuple[float, StepEvent]]] = [[] for _ in range(n)]
@@ -79,6 +84,9 @@ def run_window(
         time.sleep(0.05)
     start = time.perf_counter()
     time.sleep(args.seconds)
+    # A window holds a step of every conversation: on a loaded machine it lasts longer, rather than measure nothing.
+    while not all(any(t >= start for t, _ in conv) for conv in seen) and not errors:
+        time.sleep(0.05)
     end = time.perf_counter()
     load.set(0)
     while scheduler.active:

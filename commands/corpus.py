@@ -92,6 +92,8 @@ def utterance_texts(script: Path = UTTERANCE_TEXTS) -> list[str]:
         ):
             for value in ast.literal_eval(node.value).values():
                 texts.append(value if isinstance(value, str) else " ".join(value))
+    if not texts:  # a moved list would let benchmark texts into the training requests, and shift every shard after
+        raise ValueError(f"no QUESTIONS, HELDOUT or PAUSES found in {script}")
     return texts
 
 

@@ -117,6 +117,13 @@ def test_the_benchmark_texts_include_every_recording():
     assert len(texts) >= 36 and set(texts) <= set(benchmark_texts([]))
 
 
+def test_a_texts_file_without_the_recordings_lists_is_refused(tmp_path):
+    moved = tmp_path / "utterance_texts.py"
+    moved.write_text('OTHER = {"a": "Why is the sky blue?"}\n')  # the lists moved elsewhere: nothing is kept out
+    with pytest.raises(ValueError, match="no QUESTIONS"):
+        utterance_texts(moved)
+
+
 def test_writing_jobs_cycle_categories_with_sampled_decoding(tiny_engine):
     tok = tiny_engine.cpu_target.tokenizer
     examples = {"math": ["What is two plus two?", "Halve ten for me."]}
