@@ -35,10 +35,9 @@ class TurnRecords:
                 "clock_rtt_ms": rtt_ms,
             }
             timeline = self._timelines.get(turn)
-            if timeline is not None and timeline.has("speech_end"):
-                with timeline.lock:
-                    timeline.heard_ms = server_ms - timeline.marks["speech_end"] * 1000
-                self._heard[turn]["ttfa_heard_ms"] = timeline.heard_ms
+            ttfa_heard_ms = timeline.heard_at(server_ms) if timeline is not None else None
+            if ttfa_heard_ms is not None:
+                self._heard[turn]["ttfa_heard_ms"] = ttfa_heard_ms
             return self._apply_heard(turn)
 
     def add(self, turn: int, data: dict) -> dict:

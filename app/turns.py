@@ -172,8 +172,7 @@ class TurnRunner:
 
     def conversation(self) -> Conversation:
         """This tab's conversation, made on first use (the mic's thread, for prefill while speaking, or an answer)."""
-        agent = self.host.loader.agent
-        assert agent is not None  # asked for once the models are loaded
+        agent = self._agent()
         with self._lock:
             conv = self.conv
         if conv is None:
@@ -241,7 +240,7 @@ class TurnRunner:
 
     def _agent(self) -> VoiceAgent:
         agent = self.host.loader.agent
-        assert agent is not None  # jobs start once the models are loaded
+        assert agent is not None  # asked for once the models are loaded
         return agent
 
     def _record(self, turn: int, kind: str, result: TurnResult, llm: str, **extra) -> dict:

@@ -81,6 +81,14 @@ class Timeline:
         with self.lock:
             self.first_audio_ready = self.first_audio_ready or t
 
+    def heard_at(self, server_ms: float) -> float | None:
+        """The page heard the first answer sample at server_ms (perf_counter ms): ttfa_heard_ms, None before the
+        turn had a speech_end."""
+        with self.lock:
+            if "speech_end" in self.marks:
+                self.heard_ms = server_ms - self.marks["speech_end"] * 1000
+            return self.heard_ms
+
     def heard_turn(self, pauses: list[dict], silence_rule_ms: float | None, early_discarded: int) -> None:
         """The listener's facts of the turn, at its end (an early answer may be stamping the same timeline)."""
         with self.lock:
