@@ -158,12 +158,13 @@ class VoiceAgent:
         wake: Callable[[], None] | None = None,
     ) -> TurnListener:
         """A listener for one turn of conv: with start_early (and config.preemptive) it starts answers at pauses;
-        with conv (and config.prefill_while_speaking) it prefills the user's words as they come. turn_end: the
-        configured one unless given; capacity: what its partial ASR passes share (none for one user); wake: called
-        on the ASR thread after each pass, for the caller to poll() the listener from its own."""
+        with conv (and config.prefill_while_speaking, and a stage that keeps a cache) it prefills the user's words as
+        they come. turn_end: the configured one unless given; capacity: what its partial ASR passes share (none for
+        one user); wake: called on the ASR thread after each pass, for the caller to poll() the listener from its
+        own."""
         c = self.config
         prefill = None
-        if conv is not None and c.prefill_while_speaking:
+        if conv is not None and c.prefill_while_speaking and conv.llm.keeps_cache:
             prefill = lambda words: conv.prefill_soon(self.messages(conv, words))  # noqa: E731
         return TurnListener(
             self.transcriber,

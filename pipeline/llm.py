@@ -85,6 +85,7 @@ class LLMStage(Protocol):
     """What a conversation's LLM stage does for its callers (EngineLLM, the remote server's, a test's fake)."""
 
     name: str
+    keeps_cache: bool  # whether prefill_words reads anything ahead (a cache kept until the answer)
 
     def stream_reply(
         self,
@@ -127,6 +128,7 @@ class EngineLLM:
         prompt_tokens: int | None = None,
     ) -> None:
         self.name = "engine"
+        self.keeps_cache = True
         self.engine = engine
         self.scheduler = scheduler  # given: this conversation's steps are batched with the others'
         self.tokenizer = engine.target.tokenizer

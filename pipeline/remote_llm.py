@@ -76,6 +76,7 @@ class OpenAICompatibleLLM:
         metrics_timeout_s: float = 2.0,
     ) -> None:
         self.name = "openai-compatible"
+        self.keeps_cache = False  # the server reads the whole prompt with the answer
         self.base_url = _root(base_url)
         self.base_url_no_spec = _root(base_url_no_spec) if base_url_no_spec else None
         self.model = model

@@ -316,6 +316,14 @@ def test_the_drafter_is_told_where_the_question_begins_in_the_prompt(tiny_engine
     assert "Hello!" not in target.tokenizer.decode(prompt[question_start:])
 
 
+def test_the_words_are_prefilled_only_into_a_stage_that_keeps_a_cache():
+    asr = ScriptedASR([(0.0, "What is")])
+    agent, llm = agent_with(asr, prefill_while_speaking=True)
+    assert agent.listen(agent.new_conversation()).prefill is None  # a remote server's stage: no thread for a no-op
+    llm.keeps_cache = True
+    assert agent.listen(agent.new_conversation()).prefill is not None
+
+
 def test_a_partial_is_prefilled_to_its_last_word_without_its_closing_punctuation():
     from pipeline.listener import words_to_prefill
 

@@ -16,6 +16,7 @@ class ScriptedLLM:
     started at a pause (end_probe) gives end_of_message_probability with its first word, as the engine's does."""
 
     name = "scripted"
+    keeps_cache = False
 
     def __init__(self, answer: str, step_s: float = 0.01, end_of_message_probability: float | None = None) -> None:
         self.words = answer.split(" ")
