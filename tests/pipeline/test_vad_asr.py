@@ -273,8 +273,9 @@ def test_partial_passes_run_under_the_capacity_and_the_pause_pass_waits_for_a_sl
     stream = StreamingTranscriber(asr, interval_s=0.05, capacity=slots)
     stream.feed(np.zeros(16000, np.float32))
     assert wait_until(lambda: stream.passes_skipped >= 3, 5)
+    skipped = stream.passes_skipped
     stream.speech_paused(16000)
-    time.sleep(0.2)
+    assert wait_until(lambda: stream.passes_skipped >= skipped + 2, 5)  # the pause's pass tried again and again
     assert asr.calls == [] and stream.partial == ""  # skipped, not run beside the answers
     slots.release()  # an answer ended: the pause's pass takes the slot
     assert wait_until(lambda: stream.partial == "16000 samples", 2)
