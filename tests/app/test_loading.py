@@ -84,9 +84,17 @@ def test_turns_queued_while_loading_get_the_loading_error():
         ws.send(json.dumps({"type": "text", "text": "Are you there?"}))
         ws.send(json.dumps({"type": "mic", "active": True, "mode": "ptt"}))
         gate.set()
-        failed, _ = recv_until(ws, lambda m: m["type"] == "status" and m["error"])
+        seen: list[dict] = []  # the failed status and the two errors, in whatever order the threads send them
+
+        def all_in(m: dict) -> bool:
+            seen.append(m)
+            failed = any(x["type"] == "status" and x["error"] for x in seen)
+            return failed and [x["type"] for x in seen].count("error") == 2
+
+        recv_until(ws, all_in)
+        failed = next(m for m in seen if m["type"] == "status" and m["error"])
         assert "test loader stops here" in failed["error"] and not failed["ready"]
-        errors = [recv_until(ws, lambda m: m["type"] == "error")[0]["message"] for _ in range(2)]
+        errors = [m["message"] for m in seen if m["type"] == "error"]
         assert all("failed to load" in e and "test loader stops here" in e for e in errors)
 
 

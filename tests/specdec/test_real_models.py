@@ -6,14 +6,19 @@ import torch
 from specdec.build import EngineSpec, build_engine
 from specdec.engine import GenerationConfig, collect
 from specdec.metrics import SpecStats
+from specdec.models import ModelLoadError
 
 
 @pytest.mark.models
 @pytest.mark.parametrize("target_quant", ["none", "w8a8"])
 def test_qwen_pair_float32_greedy_is_identical_to_target_only(real_models, target_quant):
-    engine, target = build_engine(
-        EngineSpec(target="qwen-1.5b", draft="qwen-0.5b", k="4", dtype="float32", target_quant=target_quant)
-    )
+    spec = EngineSpec(target="qwen-1.5b", draft="qwen-0.5b", k="4", dtype="float32", target_quant=target_quant)
+    try:
+        engine, target = build_engine(spec)
+    except ModelLoadError as e:  # ~11 GiB in float32: what other processes hold decides, not this code
+        if "not enough memory" not in str(e):
+            raise
+        pytest.skip(f"the float32 pair needs more memory than is free now: {e}")
     engine.auto_off = False  # this checks losslessness, not speed
     ids = target.tokenizer.chat_ids([{"role": "user", "content": "List the days of the week."}])
     baseline, _ = collect(engine.stream(ids, GenerationConfig(20, speculate=False)))
