@@ -319,7 +319,8 @@ def test_the_drafter_is_told_where_the_question_begins_in_the_prompt(tiny_engine
 def test_the_words_are_prefilled_only_into_a_stage_that_keeps_a_cache():
     asr = ScriptedASR([(0.0, "What is")])
     agent, llm = agent_with(asr, prefill_while_speaking=True)
-    assert agent.listen(agent.new_conversation()).prefill is None  # a remote server's stage: no thread for a no-op
+    # a stage without a cache (as a remote server's): no prefill thread for a no-op
+    assert agent.listen(agent.new_conversation()).prefill is None
     llm.keeps_cache = True
     assert agent.listen(agent.new_conversation()).prefill is not None
 
