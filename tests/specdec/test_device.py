@@ -136,7 +136,7 @@ def test_the_asr_runs_on_the_engines_device(monkeypatch, device, want, window_s)
     def fake_init(self, path, **kwargs):  # WhisperModel's own loading, skipped
         got.update(kwargs)
 
-    monkeypatch.setattr(asr.WhisperModel, "__init__", fake_init)
+    monkeypatch.setattr(pytest.importorskip("faster_whisper").WhisperModel, "__init__", fake_init)
     asr.Transcriber(device=device, window_s=window_s)
     assert got == want
 
@@ -197,6 +197,7 @@ def test_the_voice_agent_puts_its_asr_on_the_engines_device(monkeypatch):
     from specdec.build import EngineSpec
 
     got = {}
-    monkeypatch.setattr(asr.WhisperModel, "__init__", lambda self, path, **kwargs: got.update(kwargs))
+    whisper_model = pytest.importorskip("faster_whisper").WhisperModel
+    monkeypatch.setattr(whisper_model, "__init__", lambda self, path, **kwargs: got.update(kwargs))
     make_transcriber(AgentConfig(engine=EngineSpec(device="cuda:1")))
     assert (got["device"], got["device_index"], got["compute_type"]) == ("cuda", 1, "float16")
