@@ -45,10 +45,17 @@ class Proposal:
         probs: list[torch.Tensor],
         min_prob: float,
         forwards: int,
+        on_host: bool = False,
     ) -> Proposal:
-        """Drafts chosen position by position (choose_drafts), counted up to the confidence gate (confident_count)."""
+        """Drafts chosen position by position (choose_drafts), counted up to the confidence gate (confident_count).
+        on_host: the count is read here and the unsure drafts are dropped, so the target verifies no row for them
+        (where a read is free: the CPU); else all K are verified and the count masks them, with no read."""
         q = torch.cat(probs) if probs else None
-        return cls(torch.cat(drafts), confident_count(torch.cat(tops), min_prob), q, forwards)
+        tokens, count = torch.cat(drafts), confident_count(torch.cat(tops), min_prob)
+        if on_host:
+            n = int(count)
+            tokens, q = tokens[:n], None if q is None else q[:n]
+        return cls(tokens, count, q, forwards)
 
 
 class Drafter(Protocol):
@@ -134,10 +141,18 @@ class DraftModelDrafter:
     keep_ids: when the model's head was cut down by restrict_vocab, the full ids of its output rows.
     min_prob: the confidence gate (confident_count): the draft is well calibrated (its top token matched the
     target's about as often as its probability said), so an unsure draft is rarely worth a verify slot.
+    gate_on_host: stop drafting at the first unsure draft, reading each draft's confidence, so its forwards and
+    verify rows are not spent (None: where the draft runs on the CPU, on which a read costs nothing). Off, every
+    step drafts K and the gate is decided on the device, with no read: a GPU's path.
     """
 
     def __init__(
-        self, runner: BatchRunner, keep_ids: torch.Tensor | None = None, full_vocab: int = 0, min_prob: float = 0.0
+        self,
+        runner: BatchRunner,
+        keep_ids: torch.Tensor | None = None,
+        full_vocab: int = 0,
+        min_prob: float = 0.0,
+        gate_on_host: bool | None = None,
     ) -> None:
         self.kind = "draft-model"
         self.reads_target_hidden = False
@@ -146,6 +161,8 @@ class DraftModelDrafter:
         self.keep_ids = keep_ids
         self.vocab_size = full_vocab or runner.model.config.vocab_size
         self.min_prob = min_prob
+        on_cpu = runner.device.type == "cpu"
+        self.gate_on_host = min_prob > 0 and (on_cpu if gate_on_host is None else gate_on_host)
         self._context = 0  # the context length of the last proposal: its drafts follow it in the cache, PENDING
 
     @torch.inference_mode()
@@ -161,9 +178,12 @@ class DraftModelDrafter:
             tops.append(top)
             if q is not None:
                 probs.append(q)
+            if self.gate_on_host and float(top) < self.min_prob:
+                break  # the drafts after an unsure one are not worth their forwards
             if i + 1 < k:  # the last draft needs no forward of its own
                 logits = self.cache.extend(context + [PENDING] * i, drafts=token)
-        return Proposal.gated(drafts, tops, probs, self.min_prob, forwards=max(1, k))
+        forwards = max(1, len(drafts))
+        return Proposal.gated(drafts, tops, probs, self.min_prob, forwards, on_host=self.gate_on_host)
 
     def prefill(self, ids: list[int]) -> None:
         self.cache.extend(ids)

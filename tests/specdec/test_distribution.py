@@ -140,10 +140,12 @@ def test_draft_model_keeps_the_target_joint(target, poor_draft, k):
     assert chi2_pvalue(sample_pairs(engine, ids, N_PAIRS), exact_pair_probs(target, ids, PARAMS)) > P_FAIL
 
 
-def test_confidence_gate_keeps_the_target_joint(target, poor_draft):
+@pytest.mark.parametrize("gate_on_host", [False, True], ids=["device-gate", "host-gate"])
+def test_confidence_gate_keeps_the_target_joint(target, poor_draft, gate_on_host):
     ids = prompt(target)
     gate = gate_at_first_confidence(poor_draft, ids)
-    engine = engine_for(target, draft_model_factory(poor_draft, target, min_prob=gate), 3)
+    drafter = draft_model_factory(poor_draft, target, min_prob=gate, gate_on_host=gate_on_host)
+    engine = engine_for(target, drafter, 3)
     drafted = {collect(engine.stream(ids, GenerationConfig(4, PARAMS, seed=s)))[1][0].drafted for s in range(60)}
     assert len(drafted) > 1, drafted  # the gate cuts some proposals short and lets others through
     assert chi2_pvalue(sample_pairs(engine, ids, N_PAIRS), exact_pair_probs(target, ids, PARAMS)) > P_FAIL

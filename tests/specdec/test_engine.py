@@ -166,7 +166,8 @@ def test_padded_single_token_feed_gives_the_unpadded_logits(tiny_engine):
     assert torch.allclose(padded.extend(ids + [40, 41, 42])[-1], plain.extend(ids + [40, 41, 42])[-1], atol=1e-4)
 
 
-def test_greedy_identical_with_confidence_gate(tiny_engine):
+@pytest.mark.parametrize("gate_on_host", [False, True], ids=["device-gate", "host-gate"])
+def test_greedy_identical_with_confidence_gate(tiny_engine, gate_on_host):
     target, draft = tiny_engine.models
     ids = target.tokenizer.chat_ids([{"role": "user", "content": "tell me a story about a cat"}])
     with torch.inference_mode():  # a gate at the draft's median confidence along the answer: it must bite sometimes
@@ -174,7 +175,7 @@ def test_greedy_identical_with_confidence_gate(tiny_engine):
         logits = draft.model(torch.tensor([ids + answer], device=draft.device)).logits
         conf = torch.softmax(logits[0, len(ids) - 1 : -1], -1).amax(-1)
     gate = float(conf.median())
-    engine = make_engine(target, draft_factory(draft, min_prob=gate), "4")
+    engine = make_engine(target, draft_factory(draft, min_prob=gate, gate_on_host=gate_on_host), "4")
     spec, events = collect(engine.stream(ids, GenerationConfig(40)))
     assert spec == answer
     before = [sum(len(e.tokens) for e in events[:i]) for i in range(len(events))]

@@ -197,20 +197,25 @@ class RecordingK:
             self.seen.append((event.accepted, event.drafted, event.draft_forwards))
 
 
-def test_a_draft_forward_that_proposes_nothing_is_still_a_speculative_step(tiny_engine):
+@pytest.mark.parametrize("gate_on_host", [False, True], ids=["device-gate", "host-gate"])
+def test_a_draft_forward_that_proposes_nothing_is_still_a_speculative_step(tiny_engine, gate_on_host):
     """The confidence gate can stop before the first draft: its forward ran, so stats, K policy and events count
     it, and every target forward is in tokens_per_target_forward."""
     target, draft = tiny_engine.models
     policy = RecordingK(4)
     runner = BatchRunner(target.model, target.device)
-    engine = SpeculativeEngine(target, runner, draft_factory(draft, min_prob=1.01), lambda: policy, auto_off=False)
+    drafter = draft_factory(draft, min_prob=1.01, gate_on_host=gate_on_host)
+    engine = SpeculativeEngine(target, runner, drafter, lambda: policy, auto_off=False)
     ids = target.tokenizer.chat_ids([{"role": "user", "content": "hello"}])
     stats = SpecStats()
     tokens, events = collect(engine.stream(ids, GenerationConfig(12), stats=stats))
     assert tokens == target_only(target, ids, 12)
-    # The gate is decided on the device, so every draft position ran its forward (k of them, fewer near the end).
-    assert all(ev.speculative and ev.drafted == 0 and ev.draft_forwards == ev.k_chosen for ev in events[:-1])
+    # On the device every draft position ran its forward (k of them, fewer near the end); on the host the first
+    # unsure draft stops it, after one.
+    forwards = [min(ev.k_chosen, 1) if gate_on_host else ev.k_chosen for ev in events]
+    assert all(ev.speculative and ev.drafted == 0 for ev in events[:-1])
+    assert [ev.draft_forwards for ev in events] == forwards
     assert stats.speculative_steps == len(policy.seen) == 11  # the last step has no room
-    assert stats.draft_forwards == sum(ev.k_chosen for ev in events)
+    assert stats.draft_forwards == sum(forwards)
     assert stats.target_forwards == 12 and stats.tokens_per_target_forward == 1.0 and stats.proposed == 0
-    assert policy.seen[0] == (0, 0, 4)
+    assert policy.seen[0] == (0, 0, forwards[0])

@@ -22,9 +22,25 @@ def test_the_counter_sees_a_read():
 
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.8)], ids=["greedy", "sampled"])
 def test_a_draft_model_step_reads_the_device_at_most_twice(tiny_engine, params):
-    engine, target = build_engine(tiny_engine.spec_with(k="4", draft_min_prob=0.3))  # gated, on the device
+    engine, target = build_engine(tiny_engine.spec_with(k="4", draft_min_prob=0.3))
     engine.auto_off = False
+    drafter = engine.drafter_factory
+    engine.drafter_factory = lambda: gated_on_the_device(drafter())  # gated on the device, as on a GPU
     assert max(reads_per_step(engine, tiny_prompts(target, 1)[0], params)) <= 2
+
+
+def gated_on_the_device(drafter):
+    drafter.gate_on_host = False
+    return drafter
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.8)], ids=["greedy", "sampled"])
+def test_a_gate_on_the_host_reads_one_confidence_a_draft(tiny_engine, params):
+    """The CPU's path (a read costs nothing there): each draft's confidence is read, at most K more reads."""
+    engine, target = build_engine(tiny_engine.spec_with(k="4", draft_min_prob=0.3))
+    engine.auto_off = False
+    assert engine.drafter_factory().gate_on_host
+    assert max(reads_per_step(engine, tiny_prompts(target, 1)[0], params)) <= 2 + 4
 
 
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.8)], ids=["greedy", "sampled"])
