@@ -281,6 +281,11 @@ def model_costs(device_name: str, small: bool, out: dict[str, Any]) -> dict[str,
             k: measured_draft_seconds(drafter, step, k, device, repeats)[0]
             for k in range(1, len(ACCEPTANCE[kind].by_position) + 1)
         }
+        if device.type == "cuda" and name == TARGETS[-1]:  # the largest: what CUDA graphs save of its overhead
+            try:
+                row["compiled"] = compiled_forward_seconds(model, device, context, repeats)
+            except Exception as e:  # a compile that fails on this machine must not lose the eager figures
+                row["compiled"] = {"error": f"{type(e).__name__}: {e}"[:500]}
         out[name] = row
         print(
             f"  {name}: {row['params'] / 1e9:.2f} B params, one token {costs(1, 1) * 1e3:.2f} ms, 16 × 16 "
@@ -293,6 +298,32 @@ def model_costs(device_name: str, small: bool, out: dict[str, Any]) -> dict[str,
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return out
+
+
+def compiled_forward_seconds(model: Any, device: Any, context: list[int], repeats: int) -> dict[str, float]:
+    """Seconds of a one-token and a five-token (K = 4 verify) forward through the runner's --compile: each layer's
+    dense halves in torch.compile, reduce-overhead (CUDA graphs) on a GPU, attention and caches eager. Beside the
+    eager grid, it shows how much of a step's time is the host's dispatch."""
+    from specdec.kv import Feed
+    from specdec.runner import BatchRunner
+    from specdec.timing import median_seconds
+
+    runner = BatchRunner(model, device, compile=True)
+    cache = runner.new_cache()
+    cache.extend(context)
+    seconds: dict[str, float] = {}
+    for rows in (1, 5):
+        ids = context + [3000 + i for i in range(rows)]
+
+        def forward(ids: list[int] = ids, rows: int = rows) -> None:
+            runner.extend([Feed(cache, ids, rows)])
+            cache.rollback(len(context))
+
+        t0 = time.perf_counter()
+        forward()  # the compile, for this many rows
+        seconds[f"first_call_{rows}_tokens_s"] = time.perf_counter() - t0
+        seconds[f"{rows}_tokens_s"] = median_seconds(forward, device, repeats, warmup=3)
+    return seconds
 
 
 # ---------------------------------------------------------------------------------------------- tests
