@@ -77,6 +77,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "and reading --text-chars",
     )
     parser.add_argument(
+        "--corpus-shards",
+        type=int,
+        default=0,
+        help="with --corpus: only its first N answer shards (0: all), so that a heads file can be made again from the "
+        "same data while the corpus grows",
+    )
+    parser.add_argument(
         "--fuse-layers",
         default="",
         help="eagle with --corpus: the target layers fused into its input (EAGLE-3), as hidden_states indices "
@@ -119,11 +126,16 @@ def parse_fuse_layers(value: str, n_layers: int) -> tuple[int, ...]:
     return tuple(int(i) for i in value.split(",") if i.strip())
 
 
-def corpus_shards(folder: Path, target: str) -> list[Path]:
-    """The corpus's answer shards, made by `target` (their greedy answers are its choices, not another model's)."""
+def corpus_shards(folder: Path, target: str, limit: int = 0) -> list[Path]:
+    """The corpus's answer shards (the first `limit`; 0: all), made by `target` (their greedy answers are its
+    choices, not another model's)."""
     shards = sorted((folder / "answers").glob("answers_*.jsonl.gz"))
     if not shards:
         raise ValueError(f"no answer shards in {folder / 'answers'}: make them with `specvoice corpus answers`")
+    if limit:
+        if limit > len(shards):
+            raise ValueError(f"--corpus-shards {limit}, but {folder / 'answers'} holds {len(shards)} answer shards")
+        shards = shards[:limit]
     recipe = folder / "answers" / "recipe.json"
     made_by = json.loads(recipe.read_text()).get("target", target) if recipe.exists() else target
     if made_by != target:
@@ -137,7 +149,7 @@ def training_data(
     """The sequences to train on and the checkpoint for them: the corpus's, else the prompts' answers and text."""
     kind, fuse = cfg.kind, cfg.fuse_layers
     if args.corpus:
-        shards = corpus_shards(Path(args.corpus), args.target)
+        shards = corpus_shards(Path(args.corpus), args.target, args.corpus_shards)
         with tqdm(total=len(shards), desc="reading the corpus", unit="shard", file=sys.stderr) as bar:
             paths = corpus_dataset(target, args.target_quant, shards, work, fuse, progress=advance(bar))
         # A checkpoint per set of feature shards: training on more of the corpus starts over.
@@ -203,6 +215,7 @@ def main(args: argparse.Namespace) -> int:
         "target_quant": args.target_quant,
         "kind": cfg.kind,
         "corpus": args.corpus,
+        "corpus_shards": args.corpus_shards,
         "fuse_layers": list(cfg.fuse_layers),
         "ttt_steps": cfg.ttt_steps,
         "config": asdict(cfg),

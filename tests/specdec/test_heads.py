@@ -375,6 +375,17 @@ def test_train_heads_from_the_corpus_with_fused_layers(tiny_engine, tiny_corpus,
     assert "need 8 decoder layers" in capsys.readouterr().err
 
 
+def test_train_heads_reads_only_the_corpus_shards_asked_for(tiny_corpus):
+    """--corpus-shards N: a heads file's recipe names its data while the corpus grows past it."""
+    from commands.train_heads import corpus_shards
+
+    everything = corpus_shards(tiny_corpus, "tiny-random-target")
+    assert [p.name for p in everything] == ["answers_0000.jsonl.gz", "answers_0001.jsonl.gz"]
+    assert corpus_shards(tiny_corpus, "tiny-random-target", 1) == everything[:1]
+    with pytest.raises(ValueError, match="--corpus-shards 3, but .* holds 2 answer shards"):
+        corpus_shards(tiny_corpus, "tiny-random-target", 3)
+
+
 def test_shipped_heads_fit_the_default_target():
     """The shipped file is what --draft heads loads by default: the right target, under the size budget."""
     from specdec.build import EngineSpec
