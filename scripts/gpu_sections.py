@@ -375,18 +375,18 @@ def junit_counts(path: Path) -> dict[str, Any]:
     suite = root if root.tag == "testsuite" else root.find("testsuite")
     assert suite is not None, f"{path} holds no testsuite"
     n = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
-    found = [
+    failed = [
         (f"{case.get('classname')}::{case.get('name')} ({kind})", found.get("message") or "", found.text or "")
         for case in suite.iter("testcase")
         for kind in ("failure", "error")
         if (found := case.find(kind)) is not None
     ]
-    problems = [f"{name}: {message[:300]}" for name, message, _ in found]
+    problems = [f"{name}: {message[:300]}" for name, message, _ in failed]
     # what could not run here because a module is missing (listed by the environment section), apart from real failures
     # (a collection error's message says only "collection failure": its traceback names the module)
     missing = Counter(
         m.group(1).split(".")[0]
-        for _, message, text in found
+        for _, message, text in failed
         if (m := re.search(r"No module named '([\w.]+)'", message + text))
     )
     skips = [case.find("skipped") for case in suite.iter("testcase")]
