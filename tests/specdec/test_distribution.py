@@ -238,6 +238,24 @@ def test_joint_check_catches_a_broken_sampler(target, poor_draft, monkeypatch, b
     assert chi2_pvalue(sample_pairs(engine, ids, N_PAIRS), exact_pair_probs(target, ids, PARAMS)) < P_FAIL
 
 
+def test_joint_check_catches_a_host_gate_that_keeps_the_wrong_q_rows(target, poor_draft, monkeypatch):
+    """The host gate drops the unsure drafts; keeping q's last rows instead of its first misaligns q with them."""
+    gated = drafters_module.Proposal.gated
+
+    def misaligned(drafts, tops, probs, min_prob, forwards, on_host=False):
+        proposal = gated(drafts, tops, probs, min_prob, forwards, on_host)
+        if on_host and probs:
+            q = torch.cat(probs)
+            proposal.probs = q[len(q) - len(proposal.tokens) :]
+        return proposal
+
+    monkeypatch.setattr(drafters_module.Proposal, "gated", staticmethod(misaligned))
+    ids = prompt(target)
+    gate = gate_at_first_confidence(poor_draft, ids)
+    engine = engine_for(target, draft_model_factory(poor_draft, target, min_prob=gate, gate_on_host=True), 3)
+    assert chi2_pvalue(sample_pairs(engine, ids, N_PAIRS), exact_pair_probs(target, ids, PARAMS)) < P_FAIL
+
+
 def test_pit_check_catches_a_bonus_from_the_wrong_row(target, good_draft, monkeypatch):
     monkeypatch.setattr(engine_module, "sampled_verdict", bonus_from_previous_row(sampling.sampled_verdict))
     engine = engine_for(target, draft_model_factory(good_draft, target), 3)
