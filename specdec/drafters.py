@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -45,17 +45,10 @@ class Proposal:
         probs: list[torch.Tensor],
         min_prob: float,
         forwards: int,
-        on_host: bool = False,
     ) -> Proposal:
-        """Drafts chosen position by position (choose_drafts), counted up to the confidence gate (confident_count).
-        on_host: the count is read here and the unsure drafts are dropped, so the target verifies no row for them
-        (where a read is free: the CPU); else all K are verified and the count masks them, with no read."""
+        """Drafts chosen position by position (choose_drafts), counted up to the confidence gate (confident_count)."""
         q = torch.cat(probs) if probs else None
-        tokens, count = torch.cat(drafts), confident_count(torch.cat(tops), min_prob)
-        if on_host:
-            n = int(count)
-            tokens, q = tokens[:n], None if q is None else q[:n]
-        return cls(tokens, count, q, forwards)
+        return cls(torch.cat(drafts), confident_count(torch.cat(tops), min_prob), q, forwards)
 
 
 class Drafter(Protocol):
@@ -174,16 +167,18 @@ class DraftModelDrafter:
         drafts, tops, probs = [], [], []
         for i in range(k):
             token, top, q = choose_drafts(logits, self.keep_ids, self.vocab_size, params, generator)
+            if self.gate_on_host and float(top) < self.min_prob:
+                break  # neither this draft nor those after it are worth their forwards and verify rows
             drafts.append(token)
             tops.append(top)
             if q is not None:
                 probs.append(q)
-            if self.gate_on_host and float(top) < self.min_prob:
-                break  # the drafts after an unsure one are not worth their forwards
             if i + 1 < k:  # the last draft needs no forward of its own
                 logits = self.cache.extend(context + [PENDING] * i, drafts=token)
-        forwards = max(1, len(drafts))
-        return Proposal.gated(drafts, tops, probs, self.min_prob, forwards, on_host=self.gate_on_host)
+        forwards = min(len(drafts) + 1, k)  # the forward that made an unsure draft ran too
+        if not drafts:
+            return replace(Proposal.of([], logits.device), forwards=forwards)
+        return Proposal.gated(drafts, tops, probs, self.min_prob, forwards)
 
     def prefill(self, ids: list[int]) -> None:
         self.cache.extend(ids)

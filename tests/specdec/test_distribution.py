@@ -239,14 +239,13 @@ def test_joint_check_catches_a_broken_sampler(target, poor_draft, monkeypatch, b
 
 
 def test_joint_check_catches_a_host_gate_that_keeps_the_wrong_q_rows(target, poor_draft, monkeypatch):
-    """The host gate drops the unsure drafts; keeping q's last rows instead of its first misaligns q with them."""
+    """A proposal the host gate cut short (a forward more than its drafts) with q's rows out of order."""
     gated = drafters_module.Proposal.gated
 
-    def misaligned(drafts, tops, probs, min_prob, forwards, on_host=False):
-        proposal = gated(drafts, tops, probs, min_prob, forwards, on_host)
-        if on_host and probs:
-            q = torch.cat(probs)
-            proposal.probs = q[len(q) - len(proposal.tokens) :]
+    def misaligned(drafts, tops, probs, min_prob, forwards):
+        proposal = gated(drafts, tops, probs, min_prob, forwards)
+        if probs and forwards > len(drafts):
+            proposal.probs = torch.cat(probs).flip(0)
         return proposal
 
     monkeypatch.setattr(drafters_module.Proposal, "gated", staticmethod(misaligned))
