@@ -303,7 +303,9 @@ def model_costs(device_name: str, small: bool, out: dict[str, Any]) -> dict[str,
 def compiled_forward_seconds(model: Any, device: Any, context: list[int], repeats: int) -> dict[str, float]:
     """Seconds of a one-token and a five-token (K = 4 verify) forward through the runner's --compile: each layer's
     dense halves in torch.compile, reduce-overhead (CUDA graphs) on a GPU, attention and caches eager. Beside the
-    eager grid, it shows how much of a step's time is the host's dispatch."""
+    eager grid, it shows how much of a step's time is the host's dispatch; and how far its logits are from eager's."""
+    import torch
+
     from specdec.kv import Feed
     from specdec.runner import BatchRunner
     from specdec.timing import median_seconds
@@ -315,14 +317,20 @@ def compiled_forward_seconds(model: Any, device: Any, context: list[int], repeat
     for rows in (1, 5):
         ids = context + [3000 + i for i in range(rows)]
 
-        def forward(ids: list[int] = ids, rows: int = rows) -> None:
-            runner.extend([Feed(cache, ids, rows)])
+        def forward(ids: list[int] = ids, rows: int = rows) -> torch.Tensor:
+            logits = runner.extend([Feed(cache, ids, rows)])[0]
             cache.rollback(len(context))
+            return logits
 
         t0 = time.perf_counter()
-        forward()  # the compile, for this many rows
+        compiled = forward()  # the compile, for this many rows
         seconds[f"first_call_{rows}_tokens_s"] = time.perf_counter() - t0
         seconds[f"{rows}_tokens_s"] = median_seconds(forward, device, repeats, warmup=3)
+        eager = BatchRunner(model, device).new_cache()
+        eager.extend(context)
+        expected = eager.runner.extend([Feed(eager, ids, rows)])[0]
+        seconds[f"{rows}_tokens_max_logit_difference"] = float((compiled.float() - expected.float()).abs().max())
+        seconds[f"{rows}_tokens_same_argmax"] = bool(torch.equal(compiled.argmax(-1), expected.argmax(-1)))
     return seconds
 
 

@@ -57,13 +57,18 @@ class BatchRunner:
         self.dtype = decoder.norm.weight.dtype  # what the model's remainder computes in (float32 once quantized)
         self.parts = [layer_parts(layer, self.n_heads, self.kv_heads, self.head_dim) for layer in self.layers]
         self.fused = fused_layer(attn.q_proj, attn.k_proj, attn.v_proj) is not None  # w8a8's fused layers
+        self.new_step: Callable[[], None] = lambda: None  # CUDA graphs: a forward's replays start a new step
         if compile:  # dynamic: one graph for every number of rows; CUDA graphs per shape on a GPU
             keep_int8_matmul_eager()
-            mode = "reduce-overhead" if device.type == "cuda" else "default"
+            graphs = device.type == "cuda"
+            mode = "reduce-overhead" if graphs else "default"
             self.parts = [
                 (torch.compile(project, dynamic=True, mode=mode), torch.compile(finish, dynamic=True, mode=mode))
                 for project, finish in self.parts
             ]
+            if graphs:  # every layer replays one graph, whose output buffer the next layer overwrites: copy it out
+                self.new_step = torch.compiler.cudagraph_mark_step_begin
+                self.parts = [(project, outside_the_graph(finish)) for project, finish in self.parts]
 
     def new_cache(self) -> SequenceCache:
         return SequenceCache(self)
@@ -137,6 +142,7 @@ class BatchRunner:
         """The decoder over all new tokens, packed as one batch of rows; returns hidden states [rows, hidden] by
         transformers' hidden_states index: n_layers, the final norm's output, and those a feed's cache keeps."""
         decoder = self.model.get_decoder()
+        self.new_step()
         x = decoder.embed_tokens(ids[None])  # [1, rows, hidden]
         cos, sin = decoder.rotary_emb(x, positions[None])
         attend = row_attention if self.exact_rows else causal_attention
@@ -157,6 +163,15 @@ class BatchRunner:
             x = finish(x, torch.cat(out))
         states[self.n_layers] = decoder.norm(x)[0]
         return states
+
+
+def outside_the_graph(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """fn's output copied out of its CUDA graph's static buffer, which fn's next replay overwrites."""
+
+    def copied(*args: torch.Tensor) -> torch.Tensor:
+        return fn(*args).clone()
+
+    return copied
 
 
 def kept_rows(states: dict[int, torch.Tensor], layers: tuple[int, ...], rows: slice) -> torch.Tensor:

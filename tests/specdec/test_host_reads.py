@@ -25,12 +25,12 @@ def test_a_draft_model_step_reads_the_device_at_most_twice(tiny_engine, params):
     engine, target = build_engine(tiny_engine.spec_with(k="4", draft_min_prob=0.3))
     engine.auto_off = False
     drafter = engine.drafter_factory
-    engine.drafter_factory = lambda: gated_on_the_device(drafter())  # gated on the device, as on a GPU
+    engine.drafter_factory = lambda: gated_where(drafter(), on_host=False)  # on the device, as on a GPU
     assert max(reads_per_step(engine, tiny_prompts(target, 1)[0], params)) <= 2
 
 
-def gated_on_the_device(drafter):
-    drafter.gate_on_host = False
+def gated_where(drafter, on_host: bool):
+    drafter.gate_on_host = on_host
     return drafter
 
 
@@ -39,7 +39,9 @@ def test_a_gate_on_the_host_reads_one_confidence_a_draft(tiny_engine, params):
     """The CPU's path (a read costs nothing there): each draft's confidence is read, at most K more reads."""
     engine, target = build_engine(tiny_engine.spec_with(k="4", draft_min_prob=0.3))
     engine.auto_off = False
-    assert engine.drafter_factory().gate_on_host
+    drafter = engine.drafter_factory
+    assert drafter().gate_on_host == (target.device.type == "cpu")  # the default: on the host only on a CPU
+    engine.drafter_factory = lambda: gated_where(drafter(), on_host=True)  # a GPU may take this path too
     assert max(reads_per_step(engine, tiny_prompts(target, 1)[0], params)) <= 2 + 4
 
 
