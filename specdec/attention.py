@@ -36,24 +36,36 @@ def causal_mask(rows: int, seen: int, device: torch.device) -> torch.Tensor:
     return torch.ones(rows, seen, dtype=torch.bool, device=device).tril(seen - rows)
 
 
-def causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [heads, rows, dim], the last `rows` positions of keys/values [kv_heads, seen, dim] → [rows, heads, dim]."""
-    mask = causal_mask(q.shape[1], keys.shape[1], q.device)
+def causal_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """q [heads, rows, dim], the last `rows` positions of keys/values [kv_heads, seen, dim] → [rows, heads, dim].
+    mask [rows, seen]: what each row sees, when not causal_mask's (a draft tree's rows see their path only)."""
+    mask = causal_mask(q.shape[1], keys.shape[1], q.device) if mask is None else mask
     out = F.scaled_dot_product_attention(
         q.float(), keys.float(), values.float(), attn_mask=mask, scale=scale, enable_gqa=True
     )
     return out.to(q.dtype).transpose(0, 1)
 
 
-def row_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
-    """causal_attention's result computed one query row at a time (bit-identical to decoding each row alone)."""
+def row_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """causal_attention's result computed one query row at a time (bit-identical to decoding each row alone). With a
+    mask, a row whose keys are not a prefix (a tree node's path) reads its keys gathered, in order: the same values
+    as its path decoded alone."""
     n_heads, rows, dim = q.shape
     kv_heads, seen = keys.shape[0], keys.shape[1]
     grouped = q.view(kv_heads, n_heads // kv_heads, rows, dim)  # query heads grouped by the KV head they share
     out = q.new_empty(rows, n_heads, dim)
+    # with a mask (a read: this path is the CPU's), each row's leading run of visible keys and its count of them
+    spans = None if mask is None else list(zip(mask.long().cumprod(-1).sum(-1).tolist(), mask.sum(-1).tolist()))
     for i in range(rows):
-        visible = seen - rows + i + 1
+        visible = seen - rows + i + 1 if spans is None else spans[i][0]
         k, v = keys[:, :visible], values[:, :visible]
+        if spans is not None and spans[i][0] < spans[i][1]:  # not a prefix: the path's keys, gathered in order
+            index = mask[i].nonzero().flatten()  # type: ignore[index]
+            k, v = keys.index_select(1, index), values.index_select(1, index)
         weights = torch.softmax(torch.matmul(grouped[:, :, i], k.transpose(-1, -2)).float() * scale, dim=-1)
         out[i] = torch.matmul(weights.to(v.dtype), v).reshape(n_heads, dim)  # [kv_heads, group, dim]
     return out

@@ -16,6 +16,7 @@ import torch
 from .kv import PENDING
 from .runner import BatchRunner
 from .sampling import SamplingParams, logits_to_probs, sample
+from .tree import DraftTree
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -30,6 +31,12 @@ class Proposal:
     proposed: torch.Tensor  # 0-d: how many of them count (the confidence gate stops at the first unsure one)
     probs: torch.Tensor | None  # (K, V) draft distribution q, or None when the drafter is deterministic
     forwards: int  # draft forward passes spent (0 for n-gram)
+    tree: DraftTree | None = None  # the drafts are this tree's nodes (tokens = tree.tokens), verified as a tree
+
+    @classmethod
+    def of_tree(cls, tree: DraftTree, forwards: int) -> Proposal:
+        """A draft tree's nodes, all verified (specdec/tree.py)."""
+        return cls(tree.tokens, torch.tensor(len(tree), device=tree.tokens.device), tree.q, forwards, tree)
 
     @classmethod
     def of(cls, tokens: list[int], device: torch.device) -> Proposal:

@@ -19,9 +19,10 @@ from .kv import Feed, SequenceCache
 from .metrics import SpecStats
 from .models import LoadedModel
 from .runner import BatchRunner
-from .sampling import SamplingParams, greedy_verdict, logits_to_probs, sampled_verdict
+from .sampling import SamplingParams, greedy_verdict, logits_to_probs, multi_candidate_verdict, sampled_verdict
 from .session import DRAFTER_KINDS, EngineSession
 from .timing import clock
+from .tree import DraftTree, greedy_tree_verdict
 
 
 class PromptError(ValueError):
@@ -218,7 +219,7 @@ class SpeculativeEngine:
         drafts = [self._draft(answer, len(live), cap) for _, answer, cap in live]
         probes = [self._probe_rows(a) for _, a, _ in live]
         feeds = [
-            Feed(a.cache, a.ctx, (probe or 0) + self._n_rows(d), self._draft_tokens(d))
+            Feed(a.cache, a.ctx, (probe or 0) + self._n_rows(d), self._draft_tokens(d), self._draft_tree(d))
             for (_, a, _), d, probe in zip(live, drafts, probes)
         ]
         feeds += [Feed(a.cache, a.ctx[:end]) for a, end in chunks]  # their one logit row goes unread
@@ -232,6 +233,10 @@ class SpeculativeEngine:
         for (i, answer, _), draft, verdict, end in zip(live, drafts, verdicts, ends):
             n_acc, nxt, proposed, *drafted = values[at : at + len(verdict)]
             at += len(verdict)
+            if draft.proposal is not None and draft.proposal.tree is not None:  # the path, then every node's token
+                path, nodes = drafted[:proposed], drafted[proposed:]
+                answer.cache.keep_path(len(answer.ctx), path[:n_acc])
+                drafted = [nodes[j] for j in path[:n_acc]] + [t for j, t in enumerate(nodes) if j not in path[:n_acc]]
             event = self._conclude(answer, draft, n_acc, nxt, drafted[:proposed], verify_s, len(feeds))
             if end is not None:
                 event.end_of_message_probability, answer.end_probe = float(end), None
@@ -260,9 +265,20 @@ class SpeculativeEngine:
     def _draft_tokens(draft: _Draft) -> torch.Tensor | None:
         return draft.proposal.tokens if draft.proposal and len(draft.proposal.tokens) else None
 
+    @staticmethod
+    def _draft_tree(draft: _Draft) -> DraftTree | None:
+        return draft.proposal.tree if draft.proposal else None
+
     def _verdict(self, logits: torch.Tensor, answer: Answer, draft: _Draft) -> torch.Tensor:
-        """(n_accepted, next token, drafts that count, the drafts …) on the device."""
+        """(n_accepted, next token, drafts that count, the drafts …) on the device; for a tree (n_accepted, next
+        token, N, the accepted path's node indices padded with −1 to N, the N nodes' tokens)."""
         p = draft.proposal or Proposal.of([], logits.device)
+        if p.tree is not None:
+            if answer.params.greedy:
+                verdict = greedy_tree_verdict(p.tree, logits)
+            else:
+                verdict = multi_candidate_verdict(logits_to_probs(logits, answer.params), p.tree, answer.gen)
+            return torch.cat([verdict[:2], p.proposed.view(1), verdict[2:], p.tokens])
         if answer.params.greedy:
             verdict = greedy_verdict(p.tokens, p.proposed, logits)
         else:

@@ -13,6 +13,7 @@ from .heads_model import DraftHeads, EagleCache
 from .kv import grown
 from .sampling import SamplingParams
 from .tokenizer import common_prefix_length
+from .tree import DraftTree, build_tree
 
 if TYPE_CHECKING:
     from .events import StepEvent
@@ -29,13 +30,16 @@ class HeadsDrafter:
     """Drafts from the target's features: eagle autoregressively on its own one-layer cache, medusa in one step.
 
     min_prob: the confidence gate (drafters.confident_count), as for a draft model.
+    tree_width: medusa, above 1: the K drafts are the best K nodes of a draft tree with this many candidates per node
+    (build_tree, EAGLE-2's ranking by path probability), instead of a chain.
     """
 
-    def __init__(self, heads: DraftHeads, min_prob: float = 0.0) -> None:
+    def __init__(self, heads: DraftHeads, min_prob: float = 0.0, tree_width: int = 1) -> None:
         self.kind = "heads"
         self.reads_target_hidden = True
         self.heads = heads
         self.min_prob = min_prob
+        self.tree_width = tree_width
         self.target_layers = heads.cfg.fuse_layers  # what the target's cache keeps for us (kv.SequenceCache)
         self.tokens: list[int] = []  # the conversation the target has verified; features[j] belongs to tokens[j]
         self.device = heads.vocab_ids.device
@@ -83,9 +87,25 @@ class HeadsDrafter:
         if self.heads.medusa is not None:
             f = self.features[last - 1]  # its own LM head gives t_L; block i gives t_{L+1+i}
             sub = torch.stack([self.heads.lm(block(f)) for block in list(self.heads.medusa)[:k]])
+            if self.tree_width > 1:
+                return Proposal.of_tree(self._medusa_tree(sub, k), forwards=1)
             tokens, tops, q = choose_drafts(sub, self.heads.vocab_ids, self.heads.cfg.vocab_size, params, generator)
             return Proposal.gated([tokens], [tops], [] if q is None else [q], self.min_prob, forwards=1)
         return self._eagle(context, last, k, params, generator)
+
+    def _medusa_tree(self, sub_logits: torch.Tensor, max_nodes: int) -> DraftTree:
+        """The best max_nodes nodes of Medusa's tree: head d's top tree_width tokens as the children of every node
+        at depth d − 1 (a head reads no path), ranked by the heads' path probability. Deterministic: verified as
+        one-hot drafts, lossless greedy or sampled."""
+        logp, ids = sub_logits.float().log_softmax(-1).topk(self.tree_width, -1)  # (depth, width)
+        tokens = self.heads.vocab_ids[ids]
+        depth = iter(range(len(tokens)))
+
+        def expand(frontier: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            d = next(depth)
+            return tokens[d].expand(len(frontier), -1), logp[d].expand(len(frontier), -1)
+
+        return build_tree(expand, self.tree_width, len(tokens), max_nodes, self.device)
 
     def _eagle(
         self, context: list[int], last: int, k: int, params: SamplingParams, generator: torch.Generator | None

@@ -10,6 +10,7 @@ from typing import Protocol
 import torch
 
 from .tokenizer import common_prefix_length
+from .tree import DraftTree
 
 MIN_CAPACITY = 256  # positions a sequence first allocates; doubled as it grows
 PENDING = -1  # a cached position whose token is still on the device (a draft fed before the step's one read)
@@ -33,12 +34,14 @@ def grown(t: torch.Tensor, dim: int, needed: int) -> torch.Tensor:
 class Feed:
     """What one sequence asks of a forward: make its cache hold `tokens` followed by `drafts` (a device tensor, fed
     as PENDING positions), and return the logits of the last n_logits positions (at least that many are fed, re-
-    feeding cached ones if needed, so row i always lines up with position len − n_logits + i)."""
+    feeding cached ones if needed, so row i always lines up with position len − n_logits + i).
+    tree: the drafts are a draft tree's nodes (specdec/tree.py): each at its depth's position, seeing only its path."""
 
     cache: SequenceCache
     tokens: list[int]
     n_logits: int = 1
     drafts: torch.Tensor | None = None
+    tree: DraftTree | None = None
 
     @property
     def length(self) -> int:
@@ -82,6 +85,19 @@ class SequenceCache:
     def rollback(self, length: int) -> None:
         """Keep only the first `length` positions (after a rejection)."""
         del self.tokens[length:]
+
+    @torch.inference_mode()
+    def keep_path(self, start: int, path: list[int]) -> None:
+        """A tree was fed at positions start …: node path[d] (the accepted node at depth d + 1) moves to start + d,
+        its keys and values, and its hidden state where kept, so the cache reads as if the path alone was fed."""
+        if not path or path == list(range(len(path))):
+            return
+        index = torch.tensor(path, device=self.keys[0].device) + start
+        for kv in (*self.keys, *self.values):
+            kv[:, start : start + len(path)] = kv.index_select(1, index)
+        if self.hidden is not None and start >= self.hidden_start:
+            at = start - self.hidden_start
+            self.hidden[at : at + len(path)] = self.hidden.index_select(0, index - self.hidden_start)
 
     def settle(self, tokens: list[int]) -> None:
         """The first len(tokens) positions hold `tokens` (drafts fed as PENDING, now read back); the rest goes."""

@@ -17,11 +17,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import compute
-from .attention import causal_attention, rotate, row_attention
+from .attention import causal_attention, causal_mask, rotate, row_attention
 from .kv import PENDING, Feed, SequenceCache
 from .quant_fuse import fused_layer
 from .quant_layers import keep_int8_matmul_eager
 from .timing import median_seconds
+from .tree import tree_attention_mask, tree_positions
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -100,8 +101,17 @@ class BatchRunner:
         positions += range(positions[-1] + 1, positions[-1] + 1 + pad)
         spans = [(s, f.length - s) for s, f in zip(starts, feeds)]
         spans[-1] = (spans[-1][0], spans[-1][1] + pad)
+        at_positions = torch.tensor(positions, device=self.device)
+        masks: list[torch.Tensor | None] = [None] * len(feeds)
+        offset = 0
+        for i, (f, (start, n)) in enumerate(zip(feeds, spans)):
+            if f.tree is not None and len(f.tree):  # its nodes sit at their depth's position and see their path
+                first = offset + len(f.tokens) - start
+                at_positions[first : first + len(f.tree)] = tree_positions(f.tree.depths, len(f.tokens))
+                masks[i] = tree_rows_mask(f.tree.parents, start, n, len(f.tokens))
+            offset += n
         try:
-            states = self._forward(feeds, spans, token_ids, torch.tensor(positions, device=self.device))
+            states = self._forward(feeds, spans, token_ids, at_positions, masks)
         except BaseException:
             for f in feeds:  # a forward that failed half-way may have written some layers' caches: start over
                 f.cache.reset()
@@ -137,7 +147,12 @@ class BatchRunner:
         return torch.cat([ids, ids[-1:].expand(pad)]) if pad else ids
 
     def _forward(
-        self, feeds: list[Feed], spans: list[tuple[int, int]], ids: torch.Tensor, positions: torch.Tensor
+        self,
+        feeds: list[Feed],
+        spans: list[tuple[int, int]],
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        masks: list[torch.Tensor | None],
     ) -> dict[int, torch.Tensor]:
         """The decoder over all new tokens, packed as one batch of rows; returns hidden states [rows, hidden] by
         transformers' hidden_states index: n_layers, the final norm's output, and those a feed's cache keeps."""
@@ -153,16 +168,25 @@ class BatchRunner:
                 states[layer] = x[0]
             q, k, v = project(x, cos[0], sin[0])  # [heads, rows, dim]
             out, offset = [], 0
-            for f, (start, n) in zip(feeds, spans):  # each sequence over its own cache
+            for f, (start, n), mask in zip(feeds, spans, masks):  # each sequence over its own cache
                 keys, values = f.cache.keys[layer], f.cache.values[layer]
                 keys[:, start : start + n] = k[:, offset : offset + n]
                 values[:, start : start + n] = v[:, offset : offset + n]
                 seen = start + n
-                out.append(attend(q[:, offset : offset + n], keys[:, :seen], values[:, :seen], self.scaling))
+                out.append(attend(q[:, offset : offset + n], keys[:, :seen], values[:, :seen], self.scaling, mask))
                 offset += n
             x = finish(x, torch.cat(out))
         states[self.n_layers] = decoder.norm(x)[0]
         return states
+
+
+def tree_rows_mask(parents: torch.Tensor, start: int, rows: int, tree_start: int) -> torch.Tensor:
+    """[rows, start + rows]: what each of a feed's rows sees when its drafts are a tree whose nodes sit at
+    tree_start …: causal, except that a node sees, of the nodes, only its ancestors and itself."""
+    mask = causal_mask(rows, start + rows, parents.device)
+    first, n = tree_start - start, len(parents)
+    mask[first : first + n, tree_start : tree_start + n] = tree_attention_mask(parents)
+    return mask
 
 
 def outside_the_graph(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:

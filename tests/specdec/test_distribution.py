@@ -96,11 +96,12 @@ def sample_pairs(engine: SpeculativeEngine, ids: list[int], n: int, session: Eng
 
 
 @torch.inference_mode()
-def pit_pvalues(engine: SpeculativeEngine, target, ids: list[int], n: int) -> tuple[float, float]:
+def pit_pvalues(engine: SpeculativeEngine, target, ids: list[int], n: int, bonus_of_a_chain: bool = True) -> tuple:
     """Randomized PIT of emitted tokens under the target's exact conditionals, KS-tested against U(0, 1): for every
     token (i.i.d. uniform when answers follow the target, Rosenblatt), and for the bonus tokens alone (a step's
     last token after all its drafts were accepted: it is chosen as a bonus before it is drawn, so its PIT is
-    uniform too). Returns (p all tokens, p bonus tokens)."""
+    uniform too). Returns (p all tokens, p bonus tokens); only the first for a tree's steps (bonus_of_a_chain off),
+    whose bonus tokens this does not tell apart."""
     rng = np.random.default_rng(0)
     every, bonus = [], []
     for seed in range(n):
@@ -115,6 +116,8 @@ def pit_pvalues(engine: SpeculativeEngine, target, ids: list[int], n: int) -> tu
                 if j == ev.drafted == ev.accepted > 0:
                     bonus.append(u)
                 pos += 1
+    if not bonus_of_a_chain:
+        return (float(scipy_stats.kstest(every, "uniform").pvalue),)
     assert len(bonus) > n // 4  # enough bonus tokens to test
     return (float(scipy_stats.kstest(every, "uniform").pvalue), float(scipy_stats.kstest(bonus, "uniform").pvalue))
 
@@ -195,6 +198,22 @@ def test_whole_answers_with_draft_heads_follow_the_target(target, tiny_engine, t
     assert min(pit_pvalues(engine, target, prompt(target), N_ANSWERS)) > P_FAIL
 
 
+@pytest.mark.parametrize("tiny_heads", ["medusa"], indirect=True)  # eagle drafts a chain
+def test_a_medusa_tree_keeps_the_target_joint(target, tiny_engine, tiny_heads):
+    """A tree's candidates are the heads' top tokens, verified one-hot by multi_candidate_verdict."""
+    ids = prompt(target)
+    engine = heads_engine(tiny_engine, tiny_heads, k=3, tree=3)
+    events = [collect(engine.stream(ids, GenerationConfig(4, PARAMS, seed=s)))[1] for s in range(200)]
+    assert sum(e[1].accepted for e in events if len(e) > 1) > 0
+    assert chi2_pvalue(sample_pairs(engine, ids, N_PAIRS), exact_pair_probs(target, ids, PARAMS)) > P_FAIL
+
+
+@pytest.mark.parametrize("tiny_heads", ["medusa"], indirect=True)  # eagle drafts a chain
+def test_whole_answers_with_a_medusa_tree_follow_the_target(target, tiny_engine, tiny_heads):
+    engine = heads_engine(tiny_engine, tiny_heads, k=3, tree=3)
+    assert min(pit_pvalues(engine, target, prompt(target), N_ANSWERS, bonus_of_a_chain=False)) > P_FAIL
+
+
 # Teeth: the same checks on deliberately broken samplers must fail.
 
 
@@ -252,6 +271,16 @@ def test_joint_check_catches_a_host_gate_that_keeps_the_wrong_q_rows(target, poo
     ids = prompt(target)
     gate = gate_at_first_confidence(poor_draft, ids)
     engine = engine_for(target, draft_model_factory(poor_draft, target, min_prob=gate, gate_on_host=True), 3)
+    assert chi2_pvalue(sample_pairs(engine, ids, N_PAIRS), exact_pair_probs(target, ids, PARAMS)) < P_FAIL
+
+
+@pytest.mark.parametrize("tiny_heads", ["medusa"], indirect=True)  # eagle drafts a chain
+def test_joint_check_catches_a_tree_verdict_that_forgets_its_rejected_candidates(
+    target, tiny_engine, tiny_heads, monkeypatch
+):
+    monkeypatch.setattr(sampling, "residual_distribution", residual_is_p)
+    ids = prompt(target)
+    engine = heads_engine(tiny_engine, tiny_heads, k=3, tree=3)
     assert chi2_pvalue(sample_pairs(engine, ids, N_PAIRS), exact_pair_probs(target, ids, PARAMS)) < P_FAIL
 
 

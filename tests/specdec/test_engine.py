@@ -204,9 +204,9 @@ def test_fastest_min_feed_picks_the_faster_width(tiny_engine, monkeypatch, one_r
 
     real_forward = BatchRunner._forward
 
-    def timed_forward(self, feeds, spans, ids, positions):
+    def timed_forward(self, feeds, spans, ids, *rest):
         clock["ms"] += cost.get(len(ids), 0.0)
-        return real_forward(self, feeds, spans, ids, positions)
+        return real_forward(self, feeds, spans, ids, *rest)
 
     monkeypatch.setattr(BatchRunner, "_forward", timed_forward)
     monkeypatch.setattr("specdec.timing.time.perf_counter", lambda: clock["ms"] / 1000)

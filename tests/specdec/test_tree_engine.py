@@ -1,0 +1,143 @@
+"""Draft trees through the runner and the engine: a node's logits are those of its path decoded alone, the cache
+keeps the accepted path as if it alone was fed, and greedy answers with a medusa tree equal target-only ones, alone
+and batched. (The sampled verdict's distribution: test_distribution.py and test_tree_distribution.py.)"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from specdec.engine import GenerationConfig, collect
+from specdec.heads_drafter import HeadsDrafter
+from specdec.kv import Feed
+from specdec.quant import quantize_linears
+from specdec.runner import BatchRunner
+from specdec.scheduler import BatchScheduler
+from specdec.tree import DraftTree
+from tests.specdec.test_scheduler import run_together
+from tests.support.engine import cpu_only, heads_engine, target_only, tiny_prompts
+
+# root → a, b; a → c, d; b → e; c → f
+PARENTS = [-1, -1, 0, 0, 1, 2]
+DEPTHS = [1, 1, 2, 2, 2, 3]
+
+
+def hand_tree(target, seed: int = 0) -> DraftTree:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(10, target.model.config.vocab_size, (len(PARENTS),), generator=g)
+    as_long = {"dtype": torch.long, "device": target.device}
+    return DraftTree(tokens.to(target.device), torch.tensor(PARENTS, **as_long), torch.tensor(DEPTHS, **as_long))
+
+
+def path_to(node: int) -> list[int]:
+    path = [node]
+    while PARENTS[path[-1]] >= 0:
+        path.append(PARENTS[path[-1]])
+    return path[::-1]
+
+
+@pytest.fixture(scope="module")
+def w8a8_model(tiny_engine):
+    """The tiny target in w8a8: row-wise int8 layers, so with exact_rows a row's values never depend on the others."""
+    model = copy.deepcopy(tiny_engine.target.model)
+    quantize_linears(model, "w8a8")
+    return model
+
+
+def exact_runner(model) -> BatchRunner:
+    return BatchRunner(model, torch.device("cpu"), exact_rows=True)
+
+
+@cpu_only
+def test_a_node_s_logits_are_its_path_decoded_alone_bit_for_bit(tiny_engine, w8a8_model):
+    """The quantized target's contract, kept for trees: every row as its path decoded alone."""
+    runner = exact_runner(w8a8_model)
+    ctx = tiny_prompts(tiny_engine.target, 1, seed=3)[0]
+    tree = hand_tree(tiny_engine.target)
+    cache = runner.new_cache()
+    cache.extend(ctx[:-1])  # as in a step: the root (the last verified token) is fed with the drafts
+    logits = runner.extend([Feed(cache, ctx, 1 + len(tree), tree.tokens, tree)])[0]
+    tokens = tree.tokens.tolist()
+    assert torch.equal(logits[0], runner.new_cache().extend(ctx)[0])
+    for node in range(len(tree)):
+        assert torch.equal(logits[1 + node], runner.new_cache().extend(ctx + [tokens[j] for j in path_to(node)])[0])
+
+
+def test_a_node_s_logits_are_its_path_s_with_fused_attention(tiny_engine):
+    target = tiny_engine.target
+    runner = BatchRunner(target.model, target.device)
+    ctx = tiny_prompts(target, 1, seed=3)[0]
+    tree = hand_tree(target)
+    logits = runner.extend([Feed(runner.new_cache(), ctx, 1 + len(tree), tree.tokens, tree)])[0]
+    tokens = tree.tokens.tolist()
+    for node in range(len(tree)):
+        expected = runner.new_cache().extend(ctx + [tokens[j] for j in path_to(node)])[0]
+        torch.testing.assert_close(logits[1 + node], expected, rtol=1e-4, atol=1e-4)
+
+
+@cpu_only
+@pytest.mark.parametrize("node", [5, 4, 1])
+def test_the_cache_keeps_the_accepted_path_as_if_fed_alone(tiny_engine, w8a8_model, node):
+    runner = exact_runner(w8a8_model)
+    ctx = tiny_prompts(tiny_engine.target, 1, seed=5)[0]
+    tree = hand_tree(tiny_engine.target, seed=1)
+    cache = runner.new_cache()
+    cache.keep_hidden = True
+    runner.extend([Feed(cache, ctx, 1 + len(tree), tree.tokens, tree)])
+    path = path_to(node)
+    accepted = ctx + [tree.tokens.tolist()[j] for j in path]
+    cache.keep_path(len(ctx), path)
+    cache.settle(accepted)
+    alone = runner.new_cache()
+    alone.keep_hidden = True
+    alone.extend(accepted)
+    assert cache.hidden is not None and alone.hidden is not None
+    kept = len(accepted) - cache.hidden_start  # the rows past the path: settle dropped their tokens
+    assert torch.equal(cache.hidden[:kept], alone.hidden[cache.hidden_start : len(accepted)])
+    for layer in range(runner.n_layers):
+        assert torch.equal(cache.keys[layer][:, : len(accepted)], alone.keys[layer][:, : len(accepted)])
+        assert torch.equal(cache.values[layer][:, : len(accepted)], alone.values[layer][:, : len(accepted)])
+    more = accepted + [7]
+    assert torch.equal(cache.extend(more), runner.new_cache().extend(more))
+
+
+def accepted_nodes(tree: DraftTree, tokens: list[int]) -> list[int]:
+    """The nodes on the path that spells `tokens` from the root (the first sibling with each token)."""
+    parents, values, nodes, parent = tree.parents.tolist(), tree.tokens.tolist(), [], -1
+    for token in tokens:
+        parent = next(i for i, (p, t) in enumerate(zip(parents, values)) if p == parent and t == token)
+        nodes.append(parent)
+    return nodes
+
+
+@pytest.mark.parametrize("tiny_heads", ["medusa"], indirect=True)
+def test_greedy_output_with_a_medusa_tree_is_target_only(tiny_engine, tiny_heads, monkeypatch):
+    trees: list[DraftTree] = []
+    made = HeadsDrafter._medusa_tree
+    monkeypatch.setattr(HeadsDrafter, "_medusa_tree", lambda self, *a: trees.append(made(self, *a)) or trees[-1])
+    engine = heads_engine(tiny_engine, tiny_heads, k=4, tree=3)
+    target = engine.target
+    steps = []
+    for ids in tiny_prompts(target, 6, seed=1):
+        spec, events = collect(engine.stream(ids, GenerationConfig(32)))
+        assert spec == target_only(target, ids, 32)
+        steps += [ev for ev in events if ev.drafted]
+    assert len(steps) == len(trees)  # every drafting step verified a tree
+    assert any(len(set(t.parents.tolist())) < len(t) for t in trees)  # with siblings: a tree, not a chain
+    paths = [accepted_nodes(t, ev.tokens[: ev.accepted]) for t, ev in zip(trees, steps)]
+    assert any(paths)  # drafts were accepted
+    # and some path went through a candidate that is not its parent's first: what a chain could not have accepted
+    assert any(any(t.parents[i] == t.parents[i - 1] for i in path if i) for t, path in zip(trees, paths))
+
+
+@pytest.mark.parametrize("tiny_heads", ["medusa"], indirect=True)
+def test_medusa_trees_in_a_batch_equal_each_answer_alone(tiny_engine, tiny_heads):
+    engine = heads_engine(tiny_engine, tiny_heads, k=4, tree=3)
+    target = engine.target
+    prompts = tiny_prompts(target, 3, seed=9)
+    results = run_together(BatchScheduler(engine), prompts, [GenerationConfig(24)] * 3)
+    assert [tokens for tokens, _ in results] == [target_only(target, p, 24) for p in prompts]
+    assert max(ev.batch_size for _, events in results for ev in events) > 1
+    assert any(ev.accepted for _, events in results for ev in events)
