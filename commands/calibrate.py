@@ -43,6 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     spec = spec_from_args(args)
     spec.draft_min_prob = 0.0  # Leviathan's model drafts K tokens every step: no confidence gate here
+    spec.draft_tree = 1  # and a chain of them: its α is the chance each next draft is accepted
     engine, target = build_engine(spec)
     if engine.drafter_factory is None:
         raise ValueError("calibrate needs a drafter: --draft heads (the default), a draft model or ngram")

@@ -9,7 +9,8 @@ if TYPE_CHECKING:
     from .events import StepEvent
 
 DEFINITIONS: dict[str, str] = {
-    "draft_acceptance_rate": "accepted draft tokens ÷ proposed draft tokens (vLLM's definition)",
+    "draft_acceptance_rate": "accepted draft tokens ÷ proposed draft tokens (vLLM's definition); with a draft tree "
+    "(--draft-tree), every verified node counts as proposed, and at most one node per depth can be accepted",
     "tokens_per_target_forward": "tokens emitted ÷ target forward passes, every pass counted (plain steps, the "
     "governor's probes and the prefill too), bonus/correction tokens included, tokens past EOS not",
     "mean_k": "draft tokens proposed ÷ speculative steps (target forwards that verified a drafter's proposal; a step "
@@ -24,7 +25,8 @@ DEFINITIONS: dict[str, str] = {
     "answers, of how many, and per prompt its notes",
     "alpha": "per-token acceptance probability α (Leviathan et al.), estimated as accepted ÷ (accepted + "
     "rejections), the maximum-likelihood value when each draft token is accepted independently",
-    "per_position_acceptance": "for draft position i, accepted ÷ proposed at that position",
+    "per_position_acceptance": "for draft position i, accepted ÷ proposed at that position (a draft tree's nodes "
+    "are listed as its accepted path, then the others)",
     "tokens_per_s": "generated tokens ÷ seconds generating them: in bench and generate the whole generation, "
     "prefill included; in a voice turn the decode rate, tokens after the first target step ÷ seconds from the first "
     "step's tokens to the last (the first step, with the prefill, is its own stage; it may carry several tokens "
