@@ -300,7 +300,7 @@ def model_costs(device_name: str, small: bool, out: dict[str, Any]) -> dict[str,
     return out
 
 
-def compiled_forward_seconds(model: Any, device: Any, context: list[int], repeats: int) -> dict[str, float]:
+def compiled_forward_seconds(model: Any, device: Any, context: list[int], repeats: int) -> dict[str, Any]:
     """Seconds of a one-token and a five-token (K = 4 verify) forward through the runner's --compile: each layer's
     dense halves in torch.compile, reduce-overhead (CUDA graphs) on a GPU, attention and caches eager. Beside the
     eager grid, it shows how much of a step's time is the host's dispatch; and how far its logits are from eager's."""
@@ -313,7 +313,9 @@ def compiled_forward_seconds(model: Any, device: Any, context: list[int], repeat
     runner = BatchRunner(model, device, compile=True)
     cache = runner.new_cache()
     cache.extend(context)
-    seconds: dict[str, float] = {}
+    eager = BatchRunner(model, device).new_cache()
+    eager.extend(context)
+    seconds: dict[str, Any] = {}
     for rows in (1, 5):
         ids = context + [3000 + i for i in range(rows)]
 
@@ -326,9 +328,8 @@ def compiled_forward_seconds(model: Any, device: Any, context: list[int], repeat
         compiled = forward()  # the compile, for this many rows
         seconds[f"first_call_{rows}_tokens_s"] = time.perf_counter() - t0
         seconds[f"{rows}_tokens_s"] = median_seconds(forward, device, repeats, warmup=3)
-        eager = BatchRunner(model, device).new_cache()
-        eager.extend(context)
-        expected = eager.runner.extend([Feed(eager, ids, rows)])[0]
+        expected = eager.extend(ids, rows)
+        eager.rollback(len(context))
         seconds[f"{rows}_tokens_max_logit_difference"] = float((compiled.float() - expected.float()).abs().max())
         seconds[f"{rows}_tokens_same_argmax"] = bool(torch.equal(compiled.argmax(-1), expected.argmax(-1)))
     return seconds

@@ -48,24 +48,33 @@ def causal_attention(
     return out.to(q.dtype).transpose(0, 1)
 
 
+# Per query row, the keys it sees: how many leading ones, or (a tree node's path) their indices, in order.
+RowKeys = list[int | torch.Tensor]
+
+
+def row_keys(mask: torch.Tensor) -> RowKeys:
+    """mask [rows, seen] as row_attention takes it, read once (row_attention is the CPU's path, where reads are
+    free): a row that sees a prefix of the keys by its length, any other by its keys' indices."""
+    prefix, counts = mask.long().cumprod(-1).sum(-1).tolist(), mask.sum(-1).tolist()
+    return [p if p == c else mask[i].nonzero().flatten() for i, (p, c) in enumerate(zip(prefix, counts))]
+
+
 def row_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, mask: torch.Tensor | None = None
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, visible: RowKeys | None = None
 ) -> torch.Tensor:
-    """causal_attention's result computed one query row at a time (bit-identical to decoding each row alone). With a
-    mask, a row whose keys are not a prefix (a tree node's path) reads its keys gathered, in order: the same values
-    as its path decoded alone."""
+    """causal_attention's result computed one query row at a time (bit-identical to decoding each row alone).
+    visible (row_keys): what each row sees when not causal; a row that sees a tree node's path reads those keys
+    gathered, in order: the same values as its path decoded alone."""
     n_heads, rows, dim = q.shape
     kv_heads, seen = keys.shape[0], keys.shape[1]
     grouped = q.view(kv_heads, n_heads // kv_heads, rows, dim)  # query heads grouped by the KV head they share
     out = q.new_empty(rows, n_heads, dim)
-    # with a mask (a read: this path is the CPU's), each row's leading run of visible keys and its count of them
-    spans = None if mask is None else list(zip(mask.long().cumprod(-1).sum(-1).tolist(), mask.sum(-1).tolist()))
     for i in range(rows):
-        visible = seen - rows + i + 1 if spans is None else spans[i][0]
-        k, v = keys[:, :visible], values[:, :visible]
-        if spans is not None and spans[i][0] < spans[i][1]:  # not a prefix: the path's keys, gathered in order
-            index = mask[i].nonzero().flatten()  # type: ignore[index]
-            k, v = keys.index_select(1, index), values.index_select(1, index)
+        row = seen - rows + i + 1 if visible is None else visible[i]
+        if isinstance(row, int):
+            k, v = keys[:, :row], values[:, :row]
+        else:
+            k, v = keys.index_select(1, row), values.index_select(1, row)
         weights = torch.softmax(torch.matmul(grouped[:, :, i], k.transpose(-1, -2)).float() * scale, dim=-1)
         out[i] = torch.matmul(weights.to(v.dtype), v).reshape(n_heads, dim)  # [kv_heads, group, dim]
     return out

@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import compute
-from .attention import causal_attention, causal_mask, rotate, row_attention
+from .attention import causal_attention, rotate, row_attention, row_keys
 from .kv import PENDING, Feed, SequenceCache
 from .quant_fuse import fused_layer
 from .quant_layers import keep_int8_matmul_eager
 from .timing import median_seconds
-from .tree import tree_attention_mask, tree_positions
+from .tree import tree_feed_mask, tree_positions
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -102,13 +102,14 @@ class BatchRunner:
         spans = [(s, f.length - s) for s, f in zip(starts, feeds)]
         spans[-1] = (spans[-1][0], spans[-1][1] + pad)
         at_positions = torch.tensor(positions, device=self.device)
-        masks: list[torch.Tensor | None] = [None] * len(feeds)
+        masks: list[Any] = [None] * len(feeds)  # per feed, what its attention takes when it is a tree's
         offset = 0
         for i, (f, (start, n)) in enumerate(zip(feeds, spans)):
             if f.tree is not None and len(f.tree):  # its nodes sit at their depth's position and see their path
-                first = offset + len(f.tokens) - start
-                at_positions[first : first + len(f.tree)] = tree_positions(f.tree.depths, len(f.tokens))
-                masks[i] = tree_rows_mask(f.tree.parents, start, n, len(f.tokens))
+                before, nodes = len(f.tokens) - start, len(f.tree)
+                at_positions[offset + before : offset + before + nodes] = tree_positions(f.tree.depths, len(f.tokens))
+                mask = tree_feed_mask(f.tree.parents, start, before, n - before - nodes)
+                masks[i] = row_keys(mask) if self.exact_rows else mask  # read once, not in every layer
             offset += n
         try:
             states = self._forward(feeds, spans, token_ids, at_positions, masks)
@@ -152,7 +153,7 @@ class BatchRunner:
         spans: list[tuple[int, int]],
         ids: torch.Tensor,
         positions: torch.Tensor,
-        masks: list[torch.Tensor | None],
+        masks: list[Any],
     ) -> dict[int, torch.Tensor]:
         """The decoder over all new tokens, packed as one batch of rows; returns hidden states [rows, hidden] by
         transformers' hidden_states index: n_layers, the final norm's output, and those a feed's cache keeps."""
@@ -178,15 +179,6 @@ class BatchRunner:
             x = finish(x, torch.cat(out))
         states[self.n_layers] = decoder.norm(x)[0]
         return states
-
-
-def tree_rows_mask(parents: torch.Tensor, start: int, rows: int, tree_start: int) -> torch.Tensor:
-    """[rows, start + rows]: what each of a feed's rows sees when its drafts are a tree whose nodes sit at
-    tree_start …: causal, except that a node sees, of the nodes, only its ancestors and itself."""
-    mask = causal_mask(rows, start + rows, parents.device)
-    first, n = tree_start - start, len(parents)
-    mask[first : first + n, tree_start : tree_start + n] = tree_attention_mask(parents)
-    return mask
 
 
 def outside_the_graph(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .attention import causal_mask
+
 ROOT = -1  # the parent index of the root's children: the root is the last verified token, not a node
 
 # expand(node_ids (F,)) -> (tokens (F, k), log-probs (F, k)): a node's k candidate children under the draft, best
@@ -75,14 +77,17 @@ def tree_positions(depths: torch.Tensor, start: int) -> torch.Tensor:
     return depths + (start - 1)
 
 
-def tree_feed_mask(parents: torch.Tensor, cached: int) -> torch.Tensor:
-    """(N + 1, cached + 1 + N) bool, the verifying forward's attention mask: rows [root, node 0 … N − 1] against keys
-    [the `cached` positions before the root, the root, the nodes]. The root sees the cache and itself (a chain's
-    first row); node i sees the cache, the root, its ancestors and itself (tree_attention_mask)."""
-    n, device = len(parents), parents.device
-    below_root = torch.ones(n + 1, cached + 1, dtype=torch.bool, device=device)
-    root_row = torch.zeros(1, n, dtype=torch.bool, device=device)
-    return torch.cat([below_root, torch.cat([root_row, tree_attention_mask(parents)])], 1)
+def tree_feed_mask(parents: torch.Tensor, cached: int, before: int = 1, after: int = 0) -> torch.Tensor:
+    """(R, cached + R) bool, R = before + N + after, the verifying forward's attention mask for one sequence: rows
+    [`before` fed rows ending with the root, node 0 … N − 1, `after` padding rows] against keys [the `cached`
+    positions before them, the same rows]. The rows before and after the nodes are causal (a chain's rows; the
+    padding's outputs go unread); node i sees the cache, the rows before, its ancestors and itself
+    (tree_attention_mask)."""
+    n = len(parents)
+    rows = before + n + after
+    mask = causal_mask(rows, cached + rows, parents.device)
+    mask[before : before + n, cached + before : cached + before + n] = tree_attention_mask(parents)
+    return mask
 
 
 def earlier_siblings(parents: torch.Tensor) -> torch.Tensor:
