@@ -146,6 +146,14 @@ class EngineSpec:
         help="medusa heads: candidates per node of a draft tree whose best K nodes are verified in one forward, "
         "each seeing only its path (1: a chain of K drafts)",
     )
+    # 0: on the 20 voice prompts (AMD EPYC, no AMX) 4 gave 1.37 tokens per target forward against 1.36, and 1.12×
+    # against 1.16×: voice answers repeat little, and the grafted rows cost more than they bring (docs/results.md)
+    draft_lookup: int = option(
+        0,
+        at_least=0,
+        help="medusa heads drafting a tree: up to this many more nodes, the context's own continuation of its last "
+        "tokens (prompt lookup) grafted onto the tree (0: none)",
+    )
     # off: drafters.OpeningEchoDrafter is left out
     opening_echo: bool = option(
         True, help="heads draft an answer's opening themselves, instead of from the words of the question"
@@ -256,10 +264,14 @@ def heads_drafter_factory(spec: EngineSpec, target: LoadedModel, path: Path) -> 
         replace_linears(heads, w8a8_layer())
     min_prob = spec.gate("heads")
     log(f"draft heads: {heads.cfg.kind}, {len(heads.vocab_ids)}-token vocabulary, {spec.draft_quant}, from {path}")
+
+    def heads_drafter() -> HeadsDrafter:
+        return HeadsDrafter(heads, min_prob, spec.draft_tree, spec.draft_lookup)
+
     if not spec.opening_echo:
-        return lambda: HeadsDrafter(heads, min_prob, spec.draft_tree)
+        return heads_drafter
     decode = target.tokenizer.decode
-    return lambda: OpeningEchoDrafter(HeadsDrafter(heads, min_prob, spec.draft_tree), decode, target.device)
+    return lambda: OpeningEchoDrafter(heads_drafter(), decode, target.device)
 
 
 NOT_MODELS = ("none", "ngram", "heads")  # --draft values that load no draft model

@@ -190,6 +190,33 @@ def build_tree(
     return keep_best(grow_tree(expand, top_k, max_depth, device), max_nodes)
 
 
+def graft(tree: DraftTree, chain: torch.Tensor) -> DraftTree:
+    """The tree with one more guess from the root, chain (m,) (another drafter's: the context's own n-gram
+    continuation), as m more nodes after the tree's. Node N + j spells chain[: j + 1]; its parent is the tree's node
+    that spells chain[: j] where the tree has one, else node N + j − 1, so the chain goes on under the tree's own
+    nodes as far as they agree. A grafted node that repeats a tree node (same parent, same token) is a wasted row,
+    never a wrong one: the greedy verdict takes the first sibling with a token, and a one-hot candidate is never
+    accepted after its twin's rejection. Found on the device: shapes depend on N and m alone, no host read.
+    Deterministic trees only (q None): a grafted candidate has no q to be verified against."""
+    assert tree.q is None, "graft adds deterministic candidates: a sampled tree's q would not cover them"
+    n, m = len(tree), len(chain)
+    if m == 0:
+        return tree
+    left = -2  # `at` once the chain has left the tree: no node's parent
+    at = torch.tensor(ROOT, device=tree.tokens.device)  # the tree's node spelling chain[: j], or `left`
+    parents = []
+    for j in range(m):
+        parents.append(torch.where(at == left, n + j - 1, at))
+        hit = (tree.tokens == chain[j]) & (tree.parents == at)
+        at = torch.where(hit.any(), hit.long().argmax(), left)
+    depths = torch.arange(1, m + 1, device=tree.tokens.device)
+    return DraftTree(
+        torch.cat([tree.tokens, chain.long()]),
+        torch.cat([tree.parents, torch.stack(parents)]),
+        torch.cat([tree.depths, depths]),
+    )
+
+
 # draft_probs(node_ids (F,), the tree drawn so far) -> q (F, V): the draft distribution after each node (ROOT: after
 # the root). The tree so far gives the tokens on each node's path, which the drafter did not choose itself.
 DraftProbs = Callable[[torch.Tensor, DraftTree], torch.Tensor]

@@ -14,6 +14,7 @@ from scipy import stats as scipy_stats
 
 from specdec import drafters as drafters_module
 from specdec import engine as engine_module
+from specdec import heads_drafter as heads_drafter_module
 from specdec import sampling
 from specdec.build import build_engine, k_policy_factory
 from specdec.drafters import DraftModelDrafter, NGramDrafter
@@ -214,6 +215,31 @@ def test_whole_answers_with_a_medusa_tree_follow_the_target(target, tiny_engine,
     assert min(pit_pvalues(engine, target, prompt(target), N_ANSWERS, bonus_of_a_chain=False)) > P_FAIL
 
 
+def target_greedy_lookup(target):
+    """A lookup (drafters.ngram_lookup's signature) that proposes the target's own two likeliest next tokens, one
+    after the other: a deterministic chain, often accepted, often a twin of the heads' first candidates."""
+
+    @torch.inference_mode()
+    def lookup(context: list[int], k: int, max_ngram: int = 4, min_ngram: int = 1) -> list[int]:
+        chain: list[int] = []
+        for _ in range(min(k, 2)):
+            chain.append(int(target.model(torch.tensor([context + chain])).logits[0, -1].argmax()))
+        return chain
+
+    return lookup
+
+
+@pytest.mark.parametrize("tiny_heads", ["medusa"], indirect=True)  # eagle drafts a chain
+def test_a_medusa_tree_with_a_grafted_lookup_keeps_the_target_joint(target, tiny_engine, tiny_heads, monkeypatch):
+    """The lookup's chain grafted onto the tree (tree.graft): one-hot candidates too, twins included."""
+    monkeypatch.setattr(heads_drafter_module, "ngram_lookup", target_greedy_lookup(target))
+    ids = prompt(target)
+    engine = heads_engine(tiny_engine, tiny_heads, k=3, tree=3, lookup=2)
+    events = [collect(engine.stream(ids, GenerationConfig(4, PARAMS, seed=s)))[1] for s in range(200)]
+    assert sum(e[1].accepted == 2 for e in events if len(e) > 1) > 20  # the chain was accepted whole
+    assert chi2_pvalue(sample_pairs(engine, ids, N_PAIRS), exact_pair_probs(target, ids, PARAMS)) > P_FAIL
+
+
 # Teeth: the same checks on deliberately broken samplers must fail.
 
 
@@ -275,12 +301,15 @@ def test_joint_check_catches_a_host_gate_that_keeps_the_wrong_q_rows(target, poo
 
 
 @pytest.mark.parametrize("tiny_heads", ["medusa"], indirect=True)  # eagle drafts a chain
+@pytest.mark.parametrize("lookup", [False, True])
 def test_joint_check_catches_a_tree_verdict_that_forgets_its_rejected_candidates(
-    target, tiny_engine, tiny_heads, monkeypatch
+    target, tiny_engine, tiny_heads, monkeypatch, lookup
 ):
     monkeypatch.setattr(sampling, "residual_distribution", residual_is_p)
+    if lookup:  # a grafted twin is then tried again with the whole p: it must show
+        monkeypatch.setattr(heads_drafter_module, "ngram_lookup", target_greedy_lookup(target))
     ids = prompt(target)
-    engine = heads_engine(tiny_engine, tiny_heads, k=3, tree=3)
+    engine = heads_engine(tiny_engine, tiny_heads, k=3, tree=3, lookup=2 if lookup else 0)
     assert chi2_pvalue(sample_pairs(engine, ids, N_PAIRS), exact_pair_probs(target, ids, PARAMS)) < P_FAIL
 
 

@@ -23,6 +23,7 @@ from specdec.tree import (
     build_tree,
     chain_tree,
     draw_tree,
+    graft,
     greedy_tree_verdict,
     grow_tree,
     keep_best,
@@ -100,6 +101,46 @@ def test_greedy_verdict_follows_the_first_of_twin_siblings():
     tree = DraftTree(long([5, 5, 1, 2]), long([ROOT, ROOT, 0, 1]), long([1, 1, 2, 2]))
     logits = one_hot_logits([5, 1, 2, 8, 8])
     assert greedy_tree_verdict(tree, logits).tolist() == [2, 8, 0, 2, -1, -1]
+
+
+# A tree spelling 5, 6, 5-7, 5-8, 5-7-9 (PARENTS, DEPTHS above), and chains grafted onto it.
+SPELLED = DraftTree(long([5, 6, 7, 8, 9]), PARENTS, DEPTHS)
+
+
+@pytest.mark.parametrize(
+    "chain,parents",
+    [
+        ([5, 8, 3, 4], [ROOT, 0, 3, 7]),  # shares 5-8 with the tree: 3 hangs under the tree's 8, 4 under 3
+        ([4, 8], [ROOT, 5]),  # nothing shared: a new branch from the root
+        ([5, 7, 9, 1], [ROOT, 0, 2, 4]),  # the tree's whole deepest path, then one more under its leaf
+        ([], []),
+    ],
+)
+def test_graft_hangs_the_chain_under_the_nodes_that_spell_its_prefix(chain, parents):
+    grafted = graft(SPELLED, long(chain))
+    assert grafted.tokens.tolist() == [5, 6, 7, 8, 9] + chain
+    assert grafted.parents.tolist() == PARENTS.tolist() + parents
+    assert grafted.depths.tolist() == DEPTHS.tolist() + list(range(1, len(chain) + 1))
+    assert all(p < i for i, p in enumerate(grafted.parents.tolist()))  # still in topological order
+
+
+def test_greedy_verdict_follows_a_grafted_chain_past_the_tree():
+    """The target wants 5, 8, 3, 4, then 2: the tree holds 5-8, the graft 3-4 under it; its twins of 5 and 8
+    (nodes 5 and 6) are wasted rows and never on the path."""
+    grafted = graft(SPELLED, long([5, 8, 3, 4]))
+    argmax = {0: 5, 1: 8, 4: 3, 8: 4, 9: 2}  # row (1 + node) → the target's choice; 0 elsewhere
+    logits = one_hot_logits([argmax.get(row, 0) for row in range(len(grafted) + 1)])
+    assert greedy_tree_verdict(grafted, logits).tolist()[:6] == [4, 2, 0, 3, 7, 8]
+
+
+def test_a_grafted_twin_is_never_accepted_after_its_rejection():
+    """One-hot candidates: when the tree's 5 is rejected, the root's residual has no mass on 5 left, so the graft's 5
+    (and the chain under it) can never be accepted; the root then draws from p without 5."""
+    grafted = graft(DraftTree(long([5]), long([ROOT]), long([1])), long([5, 1]))
+    p = torch.full((len(grafted) + 1, 10), 0.1)
+    for seed in range(50):
+        verdict = multi_candidate_verdict(p, grafted, torch.Generator().manual_seed(seed)).tolist()
+        assert verdict[0] == 0 and verdict[1] != 5 or verdict[2] == 0  # rejected: not 5 again; accepted: node 0
 
 
 @pytest.mark.parametrize(

@@ -5,10 +5,12 @@ and batched. (The sampled verdict's distribution: test_distribution.py and test_
 from __future__ import annotations
 
 import copy
+import itertools
 
 import pytest
 import torch
 
+from specdec import heads_drafter as heads_drafter_module
 from specdec.engine import GenerationConfig, collect
 from specdec.heads_drafter import HeadsDrafter
 from specdec.kv import Feed
@@ -141,3 +143,45 @@ def test_medusa_trees_in_a_batch_equal_each_answer_alone(tiny_engine, tiny_heads
     assert [tokens for tokens, _ in results] == [target_only(target, p, 24) for p in prompts]
     assert max(ev.batch_size for _, events in results for ev in events) > 1
     assert any(ev.accepted for _, events in results for ev in events)
+
+
+@pytest.mark.parametrize("tiny_heads", ["medusa"], indirect=True)
+def test_a_grafted_lookup_is_verified_with_the_tree_alone_and_batched(tiny_engine, tiny_heads, monkeypatch):
+    """The lookup made an oracle that knows the target-only answers, with a wrong first token every other call: its
+    chains are accepted through the graft, under the heads' own nodes where they agree (a path from a heads node
+    into grafted ones) and as a new branch where they do not; a wrong chain is rejected; answers stay target-only's,
+    one at a time and batched."""
+    engine = heads_engine(tiny_engine, tiny_heads, k=4, tree=3, lookup=4)
+    target = engine.target
+    prompts = tiny_prompts(target, 6, seed=3)
+    expected = [target_only(target, p, 24) for p in prompts]
+    calls = itertools.count()
+
+    def oracle(context: list[int], k: int, max_ngram: int = 4, min_ngram: int = 1) -> list[int]:
+        i = next(i for i, p in enumerate(prompts) if context[: len(p)] == p)
+        chain = expected[i][len(context) - len(prompts[i]) :][:k]
+        return chain if not chain or next(calls) % 2 else [(chain[0] + 1) % target.model.config.vocab_size] + chain[1:]
+
+    trees: list[tuple[int, DraftTree]] = []
+    with_lookup = HeadsDrafter._with_lookup
+
+    def recorded(self, tree, context):
+        trees.append((len(tree), with_lookup(self, tree, context)))
+        return trees[-1][1]
+
+    monkeypatch.setattr(heads_drafter_module, "ngram_lookup", oracle)
+    monkeypatch.setattr(HeadsDrafter, "_with_lookup", recorded)
+    steps = []
+    for ids, answer in zip(prompts, expected):
+        spec, events = collect(engine.stream(ids, GenerationConfig(24)))
+        assert spec == answer
+        steps += [ev for ev in events if ev.drafted]
+    assert len(steps) == len(trees)
+    paths = [(heads, accepted_nodes(t, ev.tokens[: ev.accepted])) for (heads, t), ev in zip(trees, steps)]
+    assert any(path and path[-1] >= heads for heads, path in paths)  # grafted nodes accepted
+    assert any(path and path[0] < heads <= path[-1] for heads, path in paths)  # from a heads node into the graft
+    assert any(path and path[0] >= heads for heads, path in paths)  # a grafted branch of its own
+    assert any(not ev.accepted for ev in steps)  # and wrong chains were rejected
+    results = run_together(BatchScheduler(engine), prompts[:3], [GenerationConfig(24)] * 3)
+    assert [tokens for tokens, _ in results] == expected[:3]
+    assert max(ev.accepted for _, events in results for ev in events) == 4

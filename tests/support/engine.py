@@ -122,13 +122,19 @@ def untrained_heads(target: LoadedModel, path: Path, kind: str = "medusa") -> Pa
     return path
 
 
-def heads_engine(tiny_engine, tiny_heads, k: int = 3, tree: int = 1):
+def heads_engine(tiny_engine, tiny_heads, k: int = 3, tree: int = 1, lookup: int = 0):
     """The tiny engine drafting with `tiny_heads` at a fixed K, ungated (tiny heads are never confident), never
     switched off and drafting the opening too (no OpeningEchoDrafter), so every step drafts with the heads; tree:
-    --draft-tree (medusa: K nodes of a tree with this many candidates per node)."""
+    --draft-tree (medusa: K nodes of a tree with this many candidates per node); lookup: --draft-lookup."""
     path, _ = tiny_heads
     spec = tiny_engine.spec_with(
-        draft="heads", heads=str(path), draft_min_prob=0.0, k=str(k), opening_echo=False, draft_tree=tree
+        draft="heads",
+        heads=str(path),
+        draft_min_prob=0.0,
+        k=str(k),
+        opening_echo=False,
+        draft_tree=tree,
+        draft_lookup=lookup,
     )
     engine, _ = build_engine(spec)
     engine.auto_off = False
