@@ -15,10 +15,12 @@ import torch
 from specdec import compute
 from specdec.bench import explain_divergence, first_divergence, hf_generate, read_prompts, run_engine, summarize
 from specdec.build import DTYPES, NOT_MODELS, build_engines
-from specdec.engine import GenerationConfig
+from specdec.cost_grid import cached_forward_costs
+from specdec.engine import GenerationConfig, SpeculativeEngine
 from specdec.llamacpp import ISOLATION, LlamaCppRun, generate_alone, preset_gguf
 from specdec.metrics import DEFINITIONS, SpecStats
 from specdec.models import load_model
+from specdec.scheduler import BatchScheduler
 
 from .options import add_engine_arguments, spec_from_args
 
@@ -35,6 +37,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="hf: also run transformers' generate() target-only and with assistant_model",
     )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
+    parser.add_argument(
+        "--batched",
+        action="store_true",
+        help="every answer, the baseline's too, goes through the batch scheduler the app runs (one at a time here), "
+        "K chosen by it from this machine's measured forward costs (--no-load-aware: by the K policy alone)",
+    )
     parser.add_argument(
         "--llamacpp",
         action="store_true",
@@ -100,6 +108,12 @@ def drafter_summary(results: list[dict], name: str, total: SpecStats, resident_b
     return {**{k: full[k] for k in DRAFTER_SUMMARY_KEYS}, "resident_bytes_added": resident_bytes_added}
 
 
+def answer_source(engine: SpeculativeEngine, load_aware: bool) -> BatchScheduler:
+    """The engine behind a batch scheduler, as the app runs it: with load_aware, K per step from the measured
+    forward costs (measured once per machine and model, then read from the cache)."""
+    return BatchScheduler(engine, cached_forward_costs(engine)[0] if load_aware else None)
+
+
 def main(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -113,6 +127,9 @@ def main(args: argparse.Namespace) -> int:
     drafters = list(dict.fromkeys([spec.draft, *filter(None, args.drafters.split(","))]))
     engines, target, added_bytes = build_engines(spec, drafters)
     engine = engines[spec.draft]
+    spec.batched = args.batched
+    if args.batched:  # each engine's answers through its own scheduler: the app's path, the baseline included
+        engines = {name: answer_source(e, spec.load_aware) for name, e in engines.items()}
     assistant = None
     if args.compare == "hf" and spec.draft not in NOT_MODELS:
         assistant = load_model(spec.draft, DTYPES[spec.dtype], spec.device).model  # unmodified, for transformers
@@ -132,7 +149,7 @@ def main(args: argparse.Namespace) -> int:
         compute.run(compute.release_workers)
         print(f"llama.cpp: {len(prompts)} prompts in its own process, alone …", file=sys.stderr, flush=True)
         llama_runs = generate_alone(gguf, torch.get_num_threads(), prompts, n, eos, warmup=warm)
-    run_engine(engine, warm, GenerationConfig(4, speculate=False))
+    run_engine(engines[spec.draft], warm, GenerationConfig(4, speculate=False))
     for e in engines.values():
         run_engine(e, warm, GenerationConfig(8))
     if assistant is not None:
@@ -141,7 +158,7 @@ def main(args: argparse.Namespace) -> int:
     totals = {name: SpecStats() for name in drafters}
     results = []
     for i, (row, prompt) in enumerate(zip(rows, prompts)):
-        base, base_s = _timed(run_engine, engine, prompt, base_cfg)
+        base, base_s = _timed(run_engine, engines[spec.draft], prompt, base_cfg)
         runs = {}
         for name, e in engines.items():  # each drafter right after the same baseline, interleaved per prompt
             stats = SpecStats()
@@ -220,6 +237,9 @@ def main(args: argparse.Namespace) -> int:
         "target_min_feed": engine.runner.min_feed,
         "draft_min_prob": getattr(drafter, "min_prob", None),
     }
+    costs = getattr(engines[spec.draft], "costs", None)
+    if costs is not None:  # what the scheduler chose K from
+        summary["forward_costs"] = costs.as_dict()
     out = {"definitions": DEFINITIONS, "summary": summary, "prompts": results}
     Path(args.json).write_text(json.dumps(out, indent=2))
     print(json.dumps({k: v for k, v in summary.items() if k != "per_category"}, indent=2), file=sys.stderr)

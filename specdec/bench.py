@@ -8,12 +8,16 @@ import math
 import statistics
 from collections import defaultdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from .engine import GenerationConfig, SpeculativeEngine, collect
 from .metrics import LOW_ACCEPTANCE_WARNING, SpecStats, expected_speedup
 from .tokenizer import common_prefix_length
+
+if TYPE_CHECKING:
+    from .scheduler import BatchScheduler
 
 
 def read_prompts(path: str, limit: int = 0) -> list[dict]:
@@ -83,7 +87,7 @@ def hf_generate(target_model, prompt: list[int], n: int, eos: set[int], assistan
 
 
 def run_engine(
-    engine: SpeculativeEngine,
+    engine: SpeculativeEngine | BatchScheduler,
     prompt: list[int],
     config: GenerationConfig,
     stats: SpecStats | None = None,

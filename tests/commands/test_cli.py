@@ -61,6 +61,21 @@ def test_bench_side_by_side_json(tiny_engine, tmp_path):
     assert set(s["per_category"]) == {"a", "b"}
 
 
+def test_bench_batched_runs_the_app_s_scheduler_with_its_forward_costs(tiny_engine, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hello"}\n{"prompt": "count: 1 2 3"}\n')
+    out = tmp_path / "bench.json"
+    args = ("--prompts", str(prompts), "--max-new-tokens", "16", "--compare", "none", "--batched", "--json", str(out))
+    specvoice("bench", *tiny_engine.cli_args, *args)
+    s = json.loads(out.read_text())["summary"]
+    assert s["config"]["batched"] and s["greedy_identical_fraction"] == 1.0
+    assert s["forward_costs"]["batches"][0] == 1 and len(s["forward_costs"]["seconds"]) == len(
+        s["forward_costs"]["batches"]
+    )
+    specvoice("bench", *tiny_engine.cli_args, *args, "--no-load-aware")  # the K policy's K: no costs read
+    assert "forward_costs" not in json.loads(out.read_text())["summary"]
+
+
 def test_calibrate_fits_and_compares_every_k(tiny_engine, tmp_path):
     out = tmp_path / "cal.json"
     specvoice(
