@@ -308,6 +308,8 @@ def build_engines(
     factories: dict[str, Callable[[], Drafter] | None] = {"none": None, "ngram": lambda: NGramDrafter(target.device)}
     added = {"none": 0, "ngram": 0}
 
+    early_packing.wait()  # its layers would count as the first drafter's memory (it ran beside the load until here)
+
     def make(name: str, build: Callable[[], Callable[[], Drafter]]) -> None:
         release_free_memory()
         before = memory_bytes(target.device)

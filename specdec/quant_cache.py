@@ -128,6 +128,12 @@ class EarlyPacking:
         threading.Thread(target=pack, name="w8a8-prepack", daemon=True).start()
         return cache
 
+    def wait(self) -> None:
+        """Until every packing started has finished (its layers stay for take): what memory grows by after this is
+        not the packing's."""
+        for future in list(self._pending.values()):
+            future.exception()
+
     def take(self, cache: Path) -> dict[Job, RowW8A8LinearBase] | None:
         """The layers packed early from `cache` (waiting for them), or None; every other early packing is dropped, as
         no model will read it."""

@@ -229,6 +229,8 @@ def test_a_cache_file_packed_early_is_taken_only_by_the_model_it_belongs_to(tiny
     os.utime(other, (0, 0))
     assert early_packing.start("tiny", "w8a8", "float32") == cache  # the newest file of that name and format
     assert early_packing.start("tiny", "w8a8", "float32") is None  # already packing
+    early_packing.wait()  # what build_engines does before it measures the drafters' memory
+    assert early_packing._pending[cache].done()  # finished, and still there to take
     packed = list(early_packing._pending[cache].result().values())  # held: ids stay theirs
     early = {id(layer) for layer in packed}
     model, got = quantized(cache)
