@@ -356,7 +356,7 @@ def memory_bytes(device: torch.device) -> int:
     """The memory models on `device` hold now: the accelerator's own counter (torch's allocated bytes) on a GPU,
     where the host's resident memory says nothing about them; on the CPU this process's anonymous resident memory.
     Not its whole resident memory: a checkpoint's memory-mapped pages are file-backed, and the heads, which copy
-    rows of the target's LM head from that file, paged in 171 MB of the target's own checkpoint with their 48 MB."""
+    rows of the target's LM head from that file, paged in 171 MB of the target's own checkpoint (docs/results.md)."""
     if device.type == "cuda":
         return torch.cuda.memory_allocated(device)
     return anonymous_bytes()
