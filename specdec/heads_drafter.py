@@ -36,9 +36,10 @@ class HeadsDrafter:
     min_prob: the confidence gate (drafters.confident_count), as for a draft model.
     tree_width: medusa, above 1: the K drafts are the best K nodes of a draft tree with this many candidates per node
     (build_tree, EAGLE-2's ranking by path probability), instead of a chain.
-    lookup: with a tree, up to this many more nodes: what followed the latest earlier occurrence of the context's
-    last LOOKUP_MIN_NGRAM or more tokens (drafters.ngram_lookup), grafted onto the tree (tree.graft). Heads guess
-    from one feature; a spoken answer also repeats its question's and its own words, which a lookup finds.
+    lookup: with a tree, up to this many more nodes, no deeper than K: what followed the latest earlier occurrence of
+    the context's last LOOKUP_MIN_NGRAM or more tokens (drafters.ngram_lookup), grafted onto the tree (tree.graft).
+    Heads guess from one feature; a spoken answer also repeats its question's and its own words, which a lookup
+    finds.
     """
 
     def __init__(self, heads: DraftHeads, min_prob: float = 0.0, tree_width: int = 1, lookup: int = 0) -> None:
@@ -96,7 +97,7 @@ class HeadsDrafter:
             f = self.features[last - 1]  # its own LM head gives t_L; block i gives t_{L+1+i}
             sub = torch.stack([self.heads.lm(block(f)) for block in list(self.heads.medusa)[:k]])
             if self.tree_width > 1:
-                return Proposal.of_tree(self._with_lookup(self._medusa_tree(sub, k), context), forwards=1)
+                return Proposal.of_tree(self._with_lookup(self._medusa_tree(sub, k), context, k), forwards=1)
             tokens, tops, q = choose_drafts(sub, self.heads.vocab_ids, self.heads.cfg.vocab_size, params, generator)
             return Proposal.gated([tokens], [tops], [] if q is None else [q], self.min_prob, forwards=1)
         return self._eagle(context, last, k, params, generator)
@@ -115,10 +116,12 @@ class HeadsDrafter:
 
         return build_tree(expand, self.tree_width, len(tokens), max_nodes, self.device)
 
-    def _with_lookup(self, tree: DraftTree, context: list[int]) -> DraftTree:
+    def _with_lookup(self, tree: DraftTree, context: list[int], k: int) -> DraftTree:
+        """The tree with the lookup's chain grafted on, at most k deep: a node sits at its depth's position, and k is
+        what the answer's budget and context room allow."""
         if not self.lookup:
             return tree
-        chain = ngram_lookup(context, self.lookup, min_ngram=LOOKUP_MIN_NGRAM)
+        chain = ngram_lookup(context, min(self.lookup, k), min_ngram=LOOKUP_MIN_NGRAM)
         return graft(tree, torch.tensor(chain, dtype=torch.long, device=self.device))
 
     def _eagle(

@@ -165,8 +165,8 @@ def test_a_grafted_lookup_is_verified_with_the_tree_alone_and_batched(tiny_engin
     trees: list[tuple[int, DraftTree]] = []
     with_lookup = HeadsDrafter._with_lookup
 
-    def recorded(self, tree, context):
-        trees.append((len(tree), with_lookup(self, tree, context)))
+    def recorded(self, tree, context, k):
+        trees.append((len(tree), with_lookup(self, tree, context, k)))
         return trees[-1][1]
 
     monkeypatch.setattr(heads_drafter_module, "ngram_lookup", oracle)
