@@ -308,7 +308,12 @@ def build_engines(
     factories: dict[str, Callable[[], Drafter] | None] = {"none": None, "ngram": lambda: NGramDrafter(target.device)}
     added = {"none": 0, "ngram": 0}
 
-    early_packing.wait()  # its layers would count as the first drafter's memory (it ran beside the load until here)
+    # What a drafter adds, not what the load was still doing: the early packing's layers would count as the first
+    # drafter's, and so would the target's memory-mapped LM head, whose rows the heads copy (171 MB of its pages,
+    # docs/results.md) and which the target's first forward reads whole anyway.
+    early_packing.wait()
+    if target.device.type == "cpu":
+        target.model.get_output_embeddings().weight.sum()
 
     def make(name: str, build: Callable[[], Callable[[], Drafter]]) -> None:
         release_free_memory()

@@ -345,21 +345,12 @@ def resident_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def anonymous_bytes() -> int:
-    """This process's resident anonymous memory (Linux): its resident memory without file-backed pages."""
-    with open("/proc/self/status") as f:
-        kib = next(line.split()[1] for line in f if line.startswith("RssAnon:"))
-    return int(kib) * 1024
-
-
 def memory_bytes(device: torch.device) -> int:
     """The memory models on `device` hold now: the accelerator's own counter (torch's allocated bytes) on a GPU,
-    where the host's resident memory says nothing about them; on the CPU this process's anonymous resident memory.
-    Not its whole resident memory: a checkpoint's memory-mapped pages are file-backed, and the heads, which copy
-    rows of the target's LM head from that file, paged in 171 MB of the target's own checkpoint (docs/results.md)."""
+    where the host's resident memory says nothing about them; this process's resident memory on the CPU."""
     if device.type == "cuda":
         return torch.cuda.memory_allocated(device)
-    return anonymous_bytes()
+    return resident_bytes()
 
 
 def estimate_pair_bytes(names: list[str], dtype: torch.dtype) -> list[tuple[str, int]]:
