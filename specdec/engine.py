@@ -22,7 +22,7 @@ from .runner import BatchRunner
 from .sampling import SamplingParams, greedy_verdict, logits_to_probs, multi_candidate_verdict, sampled_verdict
 from .session import DRAFTER_KINDS, EngineSession
 from .timing import clock
-from .tree import DraftTree, greedy_tree_verdict
+from .tree import DraftTree, greedy_tree_verdict, node_ranks
 
 
 class PromptError(ValueError):
@@ -233,11 +233,13 @@ class SpeculativeEngine:
         for (i, answer, _), draft, verdict, end in zip(live, drafts, verdicts, ends):
             n_acc, nxt, proposed, *drafted = values[at : at + len(verdict)]
             at += len(verdict)
-            if draft.proposal is not None and draft.proposal.tree is not None:  # the path, then every node's token
-                path, nodes = drafted[:proposed], drafted[proposed:]
+            ranks = None
+            if draft.proposal is not None and draft.proposal.tree is not None:  # the path, every node's token, rank
+                path, nodes, node_rank = drafted[:proposed], drafted[proposed : 2 * proposed], drafted[2 * proposed :]
                 answer.cache.keep_path(len(answer.ctx), path[:n_acc])
                 drafted = [nodes[j] for j in path[:n_acc]] + [t for j, t in enumerate(nodes) if j not in path[:n_acc]]
-            event = self._conclude(answer, draft, n_acc, nxt, drafted[:proposed], verify_s, len(feeds))
+                ranks = [node_rank[j] for j in path[:n_acc]]
+            event = self._conclude(answer, draft, n_acc, nxt, drafted[:proposed], ranks, verify_s, len(feeds))
             if end is not None:
                 event.end_of_message_probability, answer.end_probe = float(end), None
             events[i] = event
@@ -271,14 +273,14 @@ class SpeculativeEngine:
 
     def _verdict(self, logits: torch.Tensor, answer: Answer, draft: _Draft) -> torch.Tensor:
         """(n_accepted, next token, drafts that count, the drafts …) on the device; for a tree (n_accepted, next
-        token, N, the accepted path's node indices padded with −1 to N, the N nodes' tokens)."""
+        token, N, the accepted path's node indices padded with −1 to N, the N nodes' tokens, their ranks)."""
         p = draft.proposal or Proposal.of([], logits.device)
         if p.tree is not None:
             if answer.params.greedy:
                 verdict = greedy_tree_verdict(p.tree, logits)
             else:
                 verdict = multi_candidate_verdict(logits_to_probs(logits, answer.params), p.tree, answer.gen)
-            return torch.cat([verdict[:2], p.proposed.view(1), verdict[2:], p.tokens])
+            return torch.cat([verdict[:2], p.proposed.view(1), verdict[2:], p.tokens, node_ranks(p.tree)])
         if answer.params.greedy:
             verdict = greedy_verdict(p.tokens, p.proposed, logits)
         else:
@@ -329,6 +331,7 @@ class SpeculativeEngine:
         n_acc: int,
         nxt: int,
         drafts: list[int],
+        ranks: list[int] | None,
         verify_s: float,
         batch_size: int,
     ) -> StepEvent:
@@ -346,6 +349,7 @@ class SpeculativeEngine:
             k_chosen=draft.k_chosen,
             draft_tokens=counted,
             accepted=min(n_acc, len(emitted)),
+            accepted_ranks=None if ranks is None else ranks[: len(emitted)],
             draft_forwards=proposal.forwards if proposal else 0,
             draft_seconds=draft.seconds,
             verify_seconds=verify_s,

@@ -17,6 +17,9 @@ class StepEvent:
     k_chosen: int = 0  # metrics.DEFINITIONS["k_chosen"]: drafts asked for (0: a plain target step)
     draft_tokens: list[int] = field(default_factory=list)  # proposed (past the gate; none past the answer's end)
     accepted: int = 0  # of those, accepted
+    # a draft tree's accepted nodes' ranks by the drafter's confidence (tree.node_ranks): what a smaller tree would
+    # have kept; None for a chain, whose accepted drafts are its first
+    accepted_ranks: list[int] | None = None
     draft_forwards: int = 0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0

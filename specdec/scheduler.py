@@ -22,11 +22,13 @@ from .session import EngineSession, catch_up
 
 @dataclass
 class LoadEstimate:
-    """What the load-aware choice knows of one answer, per draft position i, as moving averages: proposed[i], the
-    chance the drafter proposes position i when asked for more than i drafts, and accepted[i], the chance position i
-    is proposed and accepted. A confidence gate stops drafters short (the shipped heads propose under one draft
-    per step when asked for four), so these, not a geometric α, say what asking for K drafts brings:
-    1 + Σ_{i<K} accepted[i] tokens for Σ_{i<K} proposed[i] verified rows, and K · draft_s seconds of drafting."""
+    """What the load-aware choice knows of one answer, per draft i (a chain's i-th draft, a tree's node of rank i
+    by the drafter's confidence, tree.node_ranks), as moving averages: proposed[i], the chance the drafter proposes
+    draft i when asked for more than i drafts, and accepted[i], the chance draft i is proposed and accepted. A
+    confidence gate stops drafters short (the shipped heads propose under one draft per step when asked for four),
+    so these, not a geometric α, say what asking for K drafts brings: 1 + Σ_{i<K} accepted[i] tokens for
+    Σ_{i<K} proposed[i] verified rows, and K · draft_s seconds of drafting. A tree of K nodes is the best K of a
+    larger one (tree.keep_best), so what its node of rank i brings is learned from every step verifying it."""
 
     accepted: list[float]
     proposed: list[float]
@@ -53,16 +55,18 @@ class LoadEstimate:
         if not event.speculative or not event.k_chosen:
             return
         keep = self.decay
+        accepted = set(range(event.accepted) if event.accepted_ranks is None else event.accepted_ranks)
         for i in range(min(event.k_chosen, len(self.accepted))):
             self.proposed[i] = keep * self.proposed[i] + (1 - keep) * (i < event.drafted)
-            self.accepted[i] = keep * self.accepted[i] + (1 - keep) * (i < event.accepted)
+            self.accepted[i] = keep * self.accepted[i] + (1 - keep) * (i in accepted)
         if draft_time:
             self.draft_s = keep * self.draft_s + (1 - keep) * event.draft_seconds / event.k_chosen
 
 
-# A draft must raise the expected rate by this share to be asked for. The cost grid's marginal cost of a row is
-# uncertain by about 2× between runs (8 sequences × 2 tokens cost 26, 35 and 68 ms more than × 1 in three grids),
-# and K = 4 measured 9–19% below speculation off from 8 sequences on while gains of a few % were predicted.
+# A draft must raise the expected rate by this share to be asked for (n drafts added at once: (1 + MIN_GAIN)ⁿ).
+# The cost grid's marginal cost of a row is uncertain by about 2× between runs (8 sequences × 2 tokens cost 26, 35
+# and 68 ms more than × 1 in three grids), and K = 4 measured 9–19% below speculation off from 8 sequences on while
+# gains of a few % were predicted.
 MIN_GAIN = 0.03
 
 
@@ -75,9 +79,11 @@ def choose_ks(
 ) -> list[int]:
     """Drafts per answer for one batched step. fed: tokens each answer feeds without drafts (1, or its prompt);
     wanted: the most each may draft; prefilling: tokens of the prompts read in chunks in the same forward, load
-    that emits nothing. Greedily adds the draft that raises the batch's expected tokens per second most,
-    Σ tokens_i(K_i) ÷ (forward(B, Σ fed_i + rows_i(K_i)) + Σ K_i · draft_s_i), until no draft raises it: at
-    light load drafts ride a memory-bound forward nearly free, past the ridge they cost more than they bring."""
+    that emits nothing. Greedily adds the drafts that raise the batch's expected tokens per second most per draft,
+    Σ tokens_i(K_i) ÷ (forward(B, Σ fed_i + rows_i(K_i)) + Σ K_i · draft_s_i), until none raises it: at light
+    load drafts ride a memory-bound forward nearly free, past the ridge they cost more than they bring. One answer
+    may gain several at once: a tree's node of rank i may bring more than the one before it (a sibling the target
+    takes more often than the draft's first choice)."""
     ks = [0] * len(fed)
     wanted = [min(w, len(e.accepted)) for w, e in zip(wanted, estimates)]
     batch, base = len(fed) + len(prefilling), sum(fed) + sum(prefilling)
@@ -91,14 +97,14 @@ def choose_ks(
     while True:
         tries = []
         for i in range(len(ks)):
-            if ks[i] < wanted[i]:
-                ks[i] += 1
-                tries.append((rate(ks), i))
-                ks[i] -= 1
-        if not tries or max(tries)[0] <= best * (1 + MIN_GAIN):
+            for k in range(ks[i] + 1, wanted[i] + 1):
+                added, r = k - ks[i], rate(ks[:i] + [k] + ks[i + 1 :])
+                if r > best * (1 + MIN_GAIN) ** added:  # each draft must earn its share
+                    tries.append(((r - best) / added, -k, r, i))  # on a tie, the fewer drafts
+        if not tries:
             return ks
-        best, i = max(tries)
-        ks[i] += 1
+        _, k, best, i = max(tries)
+        ks[i] = -k
 
 
 @dataclass

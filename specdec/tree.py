@@ -210,11 +210,26 @@ def graft(tree: DraftTree, chain: torch.Tensor) -> DraftTree:
         hit = (tree.tokens == chain[j]) & (tree.parents == at)
         at = torch.where(hit.any(), hit.long().argmax(), left)
     depths = torch.arange(1, m + 1, device=tree.tokens.device)
+    scores = None  # grafted nodes rank after the tree's, in chain order (node_ranks)
+    if tree.scores is not None:
+        scores = torch.cat([tree.scores, torch.full((m,), -torch.inf, device=tree.scores.device)])
     return DraftTree(
         torch.cat([tree.tokens, chain.long()]),
         torch.cat([tree.parents, torch.stack(parents)]),
         torch.cat([tree.depths, depths]),
+        None,
+        scores,
     )
+
+
+def node_ranks(tree: DraftTree) -> torch.Tensor:
+    """(N,) long: each node's rank by score, 0 the best (keep_best's stable order), so the best n nodes, the tree
+    keep_best would have kept of n, are those of rank < n, and a path's ranks rise from the root. Without scores,
+    the node's index. What the load-aware K learns a tree's nodes by (scheduler.LoadEstimate)."""
+    index = torch.arange(len(tree), device=tree.tokens.device)
+    if tree.scores is None:
+        return index
+    return torch.empty_like(index).scatter_(0, torch.sort(-tree.scores, stable=True).indices, index)
 
 
 # draft_probs(node_ids (F,), the tree drawn so far) -> q (F, V): the draft distribution after each node (ROOT: after

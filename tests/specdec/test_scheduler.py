@@ -315,6 +315,20 @@ def test_a_gated_drafter_is_asked_only_for_the_drafts_it_proposes():
     assert choose_ks([1], [4], [LoadEstimate.geometric(0.9, draft_s=0.002)], flat) == [4]
 
 
+def test_a_tree_s_nodes_are_learned_by_rank_not_by_depth():
+    """A tree of 3 siblings whose second-ranked node is accepted every other step: one node alone would bring
+    nothing. Learned by depth (a chain's position), the first node would get the credit and the choice stop at one;
+    by rank, the second node brings the tokens, so two are asked for (each row costs 5 % of a forward)."""
+    tree = LoadEstimate.geometric(0.9, draft_s=0.0005)
+    for i in range(40):
+        step = StepEvent(step=i, tokens=[1] * (1 + i % 2), from_draft=[], speculative=True, k_chosen=3)
+        step.draft_tokens, step.accepted, step.accepted_ranks = [7, 8, 9], i % 2, [1] * (i % 2)
+        tree.observe(step)
+    assert tree.accepted[0] < 0.05 and 0.3 < tree.accepted[1] < 0.7 and tree.accepted[2] < 0.05
+    sloped = by_rows([1, 5], [0.1, 0.12])
+    assert choose_ks([1], [3], [tree], sloped) == [2]
+
+
 def test_choose_ks_picks_the_best_rate_found_by_search():
     costs = by_rows([1, 4, 8, 16, 32], [0.10, 0.11, 0.14, 0.22, 0.40])
     estimates = [LoadEstimate.geometric(a, 0.004) for a in (0.3, 0.6, 0.9)]

@@ -27,6 +27,7 @@ from specdec.tree import (
     greedy_tree_verdict,
     grow_tree,
     keep_best,
+    node_ranks,
     size_tree,
     tree_attention_mask,
     tree_feed_mask,
@@ -299,6 +300,29 @@ def test_build_tree_keeps_ancestors_and_respects_the_bounds(top_k, max_depth, ma
     assert tree.scores is not None and grown.scores is not None
     if len(tree):  # the kept nodes are the best: none left out scores above the worst kept
         assert sorted(tree.scores.tolist(), reverse=True) == sorted(grown.scores.tolist(), reverse=True)[: len(tree)]
+
+
+def test_node_ranks_by_hand():
+    """The build_tree example above: A .6, B .3, AA .42, BA .15, AAA .378, in topological order."""
+    tree = build_tree(TableDraft(HAND, top_k=2), top_k=2, max_depth=3, max_nodes=5)
+    assert node_ranks(tree).tolist() == [0, 3, 1, 4, 2]
+    assert node_ranks(DraftTree(long([5, 6]), long([ROOT, ROOT]), long([1, 1]))).tolist() == [0, 1]  # no scores
+    grafted = graft(tree, long([9, 9]))  # a lookup's nodes rank after the heads', in chain order
+    assert node_ranks(grafted).tolist() == [0, 3, 1, 4, 2, 5, 6]
+
+
+@pytest.mark.parametrize("top_k,max_depth", [(1, 4), (2, 3), (3, 4)])
+def test_the_nodes_of_rank_below_n_are_the_tree_keep_best_keeps_of_n(top_k, max_depth):
+    """What the load-aware K learns a tree's nodes by: a step that verified the best N nodes tells what the best
+    n < N would have brought, because those are its nodes of rank < n."""
+    draft = TableDraft({}, top_k, default=(0.5, 0.3, 0.2))
+    grown = grow_tree(draft, top_k, max_depth)
+    tree = keep_best(grown, 7)
+    ranks, paths = node_ranks(tree).tolist(), paths_of(tree)
+    for n in range(len(tree) + 1):
+        assert {p for p, r in zip(paths, ranks) if r < n} == set(paths_of(keep_best(grown, n)))
+    for i, parent in enumerate(tree.parents.tolist()):  # along a path the ranks rise
+        assert parent == ROOT or ranks[parent] < ranks[i]
 
 
 def test_a_certain_child_ties_its_parent_and_the_parent_stays():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from specdec.kv import Feed
 from specdec.quant import quantize_linears
 from specdec.runner import BatchRunner
 from specdec.scheduler import BatchScheduler
-from specdec.tree import DraftTree
+from specdec.tree import DraftTree, node_ranks
 from tests.specdec.test_scheduler import run_together
 from tests.support.engine import cpu_only, heads_engine, target_only, tiny_prompts
 
@@ -132,6 +133,30 @@ def test_greedy_output_with_a_medusa_tree_is_target_only(tiny_engine, tiny_heads
     assert any(paths)  # drafts were accepted
     # and some path went through a candidate that is not its parent's first: what a chain could not have accepted
     assert any(any(t.parents[i] == t.parents[i - 1] for i in path if i) for t, path in zip(trees, paths))
+
+
+@pytest.mark.parametrize("tiny_heads", ["medusa"], indirect=True)
+def test_a_step_tells_the_ranks_of_the_accepted_nodes(tiny_engine, tiny_heads, monkeypatch):
+    """What the load-aware K learns a tree by. The tiny heads' scores are re-ranked (later siblings first; a depth
+    before the next) so that ranks differ from the nodes' order: the verdict does not read scores."""
+    trees: list[DraftTree] = []
+    made = HeadsDrafter._medusa_tree
+
+    def reranked(self, *a):
+        tree = made(self, *a)
+        trees.append(replace(tree, scores=torch.arange(len(tree)) - 100.0 * tree.depths))
+        return trees[-1]
+
+    monkeypatch.setattr(HeadsDrafter, "_medusa_tree", reranked)
+    engine = heads_engine(tiny_engine, tiny_heads, k=4, tree=3)
+    steps = []
+    for ids in tiny_prompts(engine.target, 4, seed=2):
+        steps += [ev for ev in collect(engine.stream(ids, GenerationConfig(24)))[1] if ev.drafted]
+    ranks = [
+        [node_ranks(t).tolist()[i] for i in accepted_nodes(t, ev.tokens[: ev.accepted])] for t, ev in zip(trees, steps)
+    ]
+    assert [ev.accepted_ranks for ev in steps] == ranks
+    assert any(r and r != list(range(len(r))) for r in ranks)  # some told a rank that is not the node's index
 
 
 @pytest.mark.parametrize("tiny_heads", ["medusa"], indirect=True)
