@@ -75,7 +75,7 @@ class LoadEstimate:
             self.accepted[i] = keep * self.accepted[i] + (1 - keep) * (i in accepted)
         # unmeasured: back toward the prior's shape hung from the last draft measured (never above it), and
         # proposing all asked
-        scale = min(1.0, self.accepted[verified - 1] / self.prior[verified - 1]) if verified else 1.0
+        scale = min(1.0, self.accepted[verified - 1] / max(self.prior[verified - 1], 1e-9)) if verified else 1.0
         for i in range(verified, len(self.accepted)):
             shape = scale * self.prior[i]
             self.proposed[i] = self.forget * self.proposed[i] + (1 - self.forget)

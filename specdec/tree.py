@@ -284,26 +284,3 @@ def draw_tree(
 def joined(parts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
     """The parts concatenated; an empty tensor like `like` when there are none."""
     return torch.cat(parts) if parts else like[:0]
-
-
-def size_tree(verify_cost: Callable[[int], float], values: Sequence[float], min_gain: float = 0.0) -> int:
-    """How many nodes to verify: the N maximizing expected tokens per second, (1 + Σ_{i<N} v_i) ÷ verify_cost(N + 1).
-
-    values: each candidate node's chance to be on the accepted path, best first (sorted here): a node accepted
-    brings one token, and a step brings one more (the correction or bonus) whatever happens. For EAGLE-2's tree
-    these are the nodes' path probabilities under a calibrated draft (exp(scores), which keep_best then keeps the
-    best N of); for a chain, the chance each depth is reached and accepted (scheduler.LoadEstimate.accepted).
-    verify_cost(rows): seconds of the verifying forward feeding `rows` tokens for this sequence (the root and N
-    nodes), from the measured grid: lambda rows: costs(batch, others_rows + rows) for cost_grid.ForwardCosts.
-
-    Where a row is nearly free (memory-bound forwards, AMX) the tree grows while nodes bring anything; where each
-    row costs 10–17% of a forward (this CPU without AMX), a node must be accepted more often than that share of
-    the step's rate, so the tree shrinks to the draft's surest chain or to nothing (0: a plain step). Returns the
-    smallest N within min_gain of the best rate (a node must earn its share: the grid's noise, scheduler.MIN_GAIN)."""
-    ordered = sorted(values, reverse=True)
-    rates, tokens = [], 1.0
-    for n in range(len(ordered) + 1):
-        tokens += ordered[n - 1] if n else 0.0
-        rates.append(tokens / verify_cost(n + 1))
-    best = max(rates)
-    return next(n for n, rate in enumerate(rates) if rate * (1 + min_gain) >= best)

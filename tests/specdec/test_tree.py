@@ -17,6 +17,7 @@ from specdec.sampling import (
     multi_candidate_verdict,
     sampled_verdict,
 )
+from specdec.scheduler import LoadEstimate, choose_ks
 from specdec.tree import (
     ROOT,
     DraftTree,
@@ -28,7 +29,6 @@ from specdec.tree import (
     grow_tree,
     keep_best,
     node_ranks,
-    size_tree,
     tree_attention_mask,
     tree_feed_mask,
     tree_positions,
@@ -340,17 +340,18 @@ FLAT = ForwardCosts([1], [1, 2, 5, 9], [[0.1087, 0.1144, 0.1216, 0.1298]])
 STEEP = ForwardCosts([1], [1, 2, 5], [[0.137, 0.160, 0.201]])
 
 
-def at_batch_1(costs: ForwardCosts):
-    return lambda rows: costs(1, rows)
+def sized(costs: ForwardCosts, values: list[float]) -> int:
+    """The nodes the load-aware K verifies at one sequence (scheduler.choose_ks), each node's chance to be accepted
+    known (values, by rank), drafting free."""
+    ranked = sorted(values, reverse=True)
+    return choose_ks([1], [len(values)], [LoadEstimate(ranked, [1.0] * len(values), 0.0)], costs)[0]
 
 
-def test_size_tree_by_hand():
-    """A free row takes every node that brings anything; a row costing a whole forward takes none."""
-    assert size_tree(lambda rows: 1.0, [0.5, 0.2, 0.0]) == 2
-    assert size_tree(lambda rows: float(rows), [0.5, 0.2]) == 0
-    # 1.5 / 1.2 = 1.25 beats 1 and 1.7 / 1.4 ≈ 1.21: one node
-    assert size_tree(lambda rows: 1 + 0.2 * (rows - 1), [0.2, 0.5]) == 1
-    assert size_tree(lambda rows: 1.0, []) == 0
+def test_the_grid_sizes_a_tree_by_hand():
+    """A free row takes every node that earns its share (MIN_GAIN); a row costing a whole forward takes none."""
+    assert sized(ForwardCosts([1], [1, 4], [[1.0, 1.0]]), [0.5, 0.2, 0.0]) == 2
+    assert sized(ForwardCosts([1], [1, 3], [[1.0, 3.0]]), [0.5, 0.2]) == 0
+    assert sized(ForwardCosts([1], [1, 4], [[1.0, 1.0]]), []) == 0
 
 
 def test_a_flat_cost_curve_grows_a_tree_and_a_steep_one_a_chain_or_nothing():
@@ -358,10 +359,10 @@ def test_a_flat_cost_curve_grows_a_tree_and_a_steep_one_a_chain_or_nothing():
     first token right 11% of the time. On AMX all three nodes pay (a tree: two at depth 1); without AMX only the
     chain of the two surest does; a draft right 10% of the time gets no node at all there."""
     heads = [0.49, 0.111, 0.22]  # depth 1's best, depth 1's second, depth 2 under the best
-    assert size_tree(at_batch_1(FLAT), heads) == 3
-    assert size_tree(at_batch_1(STEEP), heads) == 2  # 0.49 and 0.22: the chain
-    assert size_tree(at_batch_1(STEEP), [0.1, 0.05, 0.03]) == 0
-    assert size_tree(at_batch_1(FLAT), [0.1, 0.05, 0.03]) == 3
+    assert sized(FLAT, heads) == 3
+    assert sized(STEEP, heads) == 2  # 0.49 and 0.22: the chain
+    assert sized(STEEP, [0.1, 0.05, 0.03]) == 0
+    assert sized(FLAT, [0.1, 0.05, 0.03]) == 1  # the others bring under MIN_GAIN each
 
 
 def test_a_tree_sized_from_the_costs_is_wide_where_rows_are_cheap_and_a_chain_where_they_are_not():
@@ -370,8 +371,8 @@ def test_a_tree_sized_from_the_costs_is_wide_where_rows_are_cheap_and_a_chain_wh
     grown = grow_tree(TableDraft({}, top_k=2), top_k=2, max_depth=5)
     assert grown.scores is not None
     values = grown.scores.exp().tolist()
-    wide = keep_best(grown, size_tree(at_batch_1(FLAT), values))
-    chain = keep_best(grown, size_tree(at_batch_1(STEEP), values))
+    wide = keep_best(grown, sized(FLAT, values))
+    chain = keep_best(grown, sized(STEEP, values))
     assert_is_a_tree(wide)
     assert_is_a_tree(chain)
     assert len(wide) > len(chain) > 0
