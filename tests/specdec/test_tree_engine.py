@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from specdec import heads_drafter as heads_drafter_module
+from specdec.cost_grid import ForwardCosts
 from specdec.engine import GenerationConfig, collect
 from specdec.heads_drafter import HeadsDrafter
 from specdec.kv import Feed
@@ -159,15 +160,24 @@ def test_a_step_tells_the_ranks_of_the_accepted_nodes(tiny_engine, tiny_heads, m
     assert any(r and r != list(range(len(r))) for r in ranks)  # some told a rank that is not the node's index
 
 
+# Forwards of 1 s whatever they feed (only read, never slept): drafting time cannot decide the load-aware choice
+FLAT_COSTS = ForwardCosts([1, 4], [1, 5], [[1.0, 1.0], [1.0, 1.0]])
+
+
 @pytest.mark.parametrize("tiny_heads", ["medusa"], indirect=True)
-def test_medusa_trees_in_a_batch_equal_each_answer_alone(tiny_engine, tiny_heads):
+@pytest.mark.parametrize("costs", [None, FLAT_COSTS], ids=["own-k", "load-aware"])
+def test_medusa_trees_in_a_batch_equal_each_answer_alone(tiny_engine, tiny_heads, costs):
+    """load-aware: the grid sizes each answer's tree from what its nodes brought by rank (scheduler.choose_ks)."""
     engine = heads_engine(tiny_engine, tiny_heads, k=4, tree=3)
     target = engine.target
     prompts = tiny_prompts(target, 3, seed=9)
-    results = run_together(BatchScheduler(engine), prompts, [GenerationConfig(24)] * 3)
+    results = run_together(BatchScheduler(engine, costs), prompts, [GenerationConfig(24)] * 3)
     assert [tokens for tokens, _ in results] == [target_only(target, p, 24) for p in prompts]
-    assert max(ev.batch_size for _, events in results for ev in events) > 1
-    assert any(ev.accepted for _, events in results for ev in events)
+    events = [ev for _, evs in results for ev in evs]
+    assert max(ev.batch_size for ev in events) > 1
+    assert any(ev.accepted for ev in events)
+    if costs is not None:  # trees the grid cut short of the K asked for, and some plain steps
+        assert any(0 < ev.k_chosen < 4 for ev in events) and any(ev.k_chosen == 0 for ev in events)
 
 
 @pytest.mark.parametrize("tiny_heads", ["medusa"], indirect=True)
