@@ -80,10 +80,12 @@ def test_echo_lookup_reads_the_question_not_the_system_prompt_before_it():
     assert echo(["To", " tie"], question_start) == [" a", " tie"]
 
 
-def test_an_answers_opening_is_drafted_from_its_prompt_and_the_rest_by_the_inner_drafter(tiny_engine):
+def test_an_answers_opening_is_drafted_from_its_prompt_where_it_matches_and_the_rest_by_the_inner_drafter(
+    tiny_engine,
+):
     target = tiny_engine.target
     ids = target.tokenizer.chat_ids([{"role": "user", "content": "tell me a story about a cat"}])
-    inner_calls: list[int] = []
+    inner_calls: list[int] = []  # answer tokens before each call
 
     class Inner(NGramDrafter):
         def propose(self, context, k, params, generator):
@@ -91,16 +93,24 @@ def test_an_answers_opening_is_drafted_from_its_prompt_and_the_rest_by_the_inner
             return super().propose(context, k, params, generator)
 
     drafter = _echo(target, Inner(target.device))
-    stats = SpecStats()
-    tokens, _ = collect(make_engine(target, lambda: drafter, "2").stream(ids, GenerationConfig(30), stats=stats))
+    calls: list[int] = []
+    propose = drafter.propose
+    drafter.propose = lambda context, *a: calls.append(len(context) - len(ids)) or propose(context, *a)
+    tokens, _ = collect(make_engine(target, lambda: drafter, "2").stream(ids, GenerationConfig(30)))
     assert tokens == target_only(target, ids, 30)
-    assert inner_calls and min(inner_calls) >= OpeningEchoDrafter.OPENING_TOKENS  # the engine said where it began
-    assert stats.speculative_steps > len(inner_calls)  # the opening's steps were drafted, by the echo
-    # the echo's own proposal for an answer that starts with the prompt's words
+    opening = [n for n in calls if 0 <= n < OpeningEchoDrafter.OPENING_TOKENS]  # the engine said where it began
+    echoed = [n for n in opening if echo_lookup(ids + tokens[:n], len(ids), 2, drafter._key, drafter._question_start)]
+    assert [n for n in inner_calls if n < OpeningEchoDrafter.OPENING_TOKENS] == [n for n in opening if n not in echoed]
+    assert any(n >= OpeningEchoDrafter.OPENING_TOKENS for n in inner_calls)
+    # the echo's own proposal for an answer that starts with the prompt's words, the inner drafter's where none match
     drafter.start(len(ids))
+    inner_calls.clear()
     words = target.tokenizer.encode("A STORY")  # bytes: one letter a token, matched in the prompt's "a story"
     proposal = drafter.propose(ids + words[:5], 3, SamplingParams(), None)
     assert proposal.tokens.tolist() == target.tokenizer.encode("ry")  # words only: not the space after them
+    assert not inner_calls
+    drafter.propose(ids + target.tokenizer.encode("QQ"), 3, SamplingParams(), None)
+    assert inner_calls == [2]
 
 
 def test_draft_acceptance_is_partial_so_rejections_are_exercised(tiny_engine):
