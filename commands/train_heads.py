@@ -90,6 +90,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "'2,14,25', or 'auto' for EAGLE-3's 2, L/2, L-3; '' (default): the final norm's output",
     )
     parser.add_argument(
+        "--reads-token",
+        action="store_true",
+        help="medusa: every block also reads the token after its feature (the one the target just emitted)",
+    )
+    parser.add_argument(
         "--ttt-steps", type=positive_int, default=t.ttt_steps, help="eagle: draft positions trained at once"
     )
     parser.add_argument(
@@ -147,7 +152,8 @@ def training_data(
     args: argparse.Namespace, target: LoadedModel, work: Path, cfg: TrainConfig
 ) -> tuple[list[Sequence], Path]:
     """The sequences to train on and the checkpoint for them: the corpus's, else the prompts' answers and text."""
-    kind, fuse = cfg.kind, cfg.fuse_layers
+    kind = cfg.kind + ("-token" if cfg.reads_token else "")  # names the checkpoint: no run resumes another's
+    fuse = cfg.fuse_layers
     if args.corpus:
         shards = corpus_shards(Path(args.corpus), args.target, args.corpus_shards)
         with tqdm(total=len(shards), desc="reading the corpus", unit="shard", file=sys.stderr) as bar:
@@ -194,9 +200,16 @@ def main(args: argparse.Namespace) -> int:
 
     fuse = parse_fuse_layers(args.fuse_layers, target.model.config.num_hidden_layers)
     cfg = TrainConfig(
-        kind=args.kind, vocab=args.vocab, epochs=args.epochs, lr=args.lr, ttt_steps=args.ttt_steps, fuse_layers=fuse
+        kind=args.kind,
+        vocab=args.vocab,
+        epochs=args.epochs,
+        lr=args.lr,
+        ttt_steps=args.ttt_steps,
+        fuse_layers=fuse,
+        reads_token=args.reads_token,
     )
-    heads_config(cfg.kind, target.model.config, target.name, fuse)  # a bad --fuse-layers fails now, not after the data
+    # A bad --fuse-layers or --reads-token fails now, not after the data.
+    heads_config(cfg.kind, target.model.config, target.name, fuse, cfg.reads_token)
     compute.release_workers()  # the corpus's prefill runs on the compute thread: this thread's pool must not slow it
     seqs, checkpoint = training_data(args, target, work, cfg)
     compute.run(compute.release_workers)  # and training runs here: the compute thread's pool goes in turn
@@ -217,6 +230,7 @@ def main(args: argparse.Namespace) -> int:
         "corpus": args.corpus,
         "corpus_shards": args.corpus_shards,
         "fuse_layers": list(cfg.fuse_layers),
+        "reads_token": cfg.reads_token,
         "ttt_steps": cfg.ttt_steps,
         "config": asdict(cfg),
         "held_out_answers": len(val),

@@ -3,7 +3,7 @@
 eagle is trained for ttt_steps draft positions at once ("training-time test", as EAGLE-3 does): position 1 reads
 the target's true feature, position d the feature the layer itself predicted at position d − 1, attending to the
 true slots before the draft and to the draft slots up to itself, exactly as drafting does. medusa's block k learns
-token j + 1 + k from feature j.
+token j + 1 + k from feature j (and, with reads_token, token j + 1).
 """
 
 from __future__ import annotations
@@ -125,21 +125,27 @@ def draft_attention(
     return attended
 
 
+def medusa_logits(heads: DraftHeads, batch: Batch) -> list[torch.Tensor]:
+    """Each block's draft-vocabulary logits (B, T − 1, V) at every feature j, as drafting computes them at j = L − 1
+    (reading token j + 1 = t_L with reads_token)."""
+    assert heads.medusa is not None
+    inputs = heads.medusa_input(batch.features, batch.tokens[:, 1:])
+    return [heads.lm(block(inputs)) for block in heads.medusa]
+
+
 def medusa_losses(heads: DraftHeads, batch: Batch) -> list[tuple[torch.Tensor, int, int]]:
     """(loss, correct, counted) per block: block k (0-based) at feature j is scored on token j + 2 + k (the choice
     after position j + 1 + k)."""
-    assert heads.medusa is not None
     b, t = batch.tokens.shape
     positions = torch.arange(t - 1)
     out = []
-    for k, block in enumerate(heads.medusa):
+    for k, logits in enumerate(medusa_logits(heads, batch)):
         target_pos = positions + 2 + k
         in_range = target_pos[None, :] < batch.lengths[:, None]
         counted = in_range & (positions[None, :] + 1 >= batch.answer_start[:, None])
         after = (target_pos - 1).clamp(max=t - 2).expand(b, -1)
         lab = local_labels(batch.labels.gather(1, after), heads.vocab_ids)
         lab = lab.masked_fill(~counted, -100)
-        logits = heads.lm(block(batch.features))
         ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), lab.reshape(-1), ignore_index=-100)
         valid = lab != -100
         out.append((ce, int((logits.argmax(-1)[valid] == lab[valid]).sum()), int(counted.sum())))

@@ -10,6 +10,8 @@ logits for token j + 1). Two kinds, chosen between by measurement (docs/results.
   With fuse_layers (EAGLE-3), a true slot's feature is instead the target's low, middle and high layer states fused
   into one (FeatureFusion); a predicted feature stays the layer's own output.
 - medusa (Medusa-style): one residual block per future position over the last true feature, all in one step.
+  With reads_token (as Hydra's heads and EAGLE read it), every block also reads the token that feature chose, t_{j+1}:
+  known when drafting (the target just emitted it), and what a block would otherwise have to recompute from f_j.
 
 The heads never decide what is emitted: the target verifies every draft, so output stays the target's. The file
 format is heads_file.py, drafting heads_drafter.py, the data heads_data.py, the losses heads_loss.py, training
@@ -45,6 +47,7 @@ class HeadsConfig:
     # eagle: the target states a true slot reads, fused (EAGLE-3), as indices into transformers' hidden_states (i:
     # after i decoder layers, 0 the embeddings, num_hidden_layers the final norm's output); (): that output alone
     fuse_layers: tuple[int, ...] = ()
+    reads_token: bool = False  # medusa: the blocks read feature j ⊕ the token after it (DraftHeads.medusa_input)
 
     def __post_init__(self) -> None:
         if self.kind not in HEAD_KINDS:
@@ -52,6 +55,8 @@ class HeadsConfig:
         object.__setattr__(self, "fuse_layers", tuple(self.fuse_layers))  # a file's JSON gives a list
         if self.fuse_layers and self.kind != "eagle":
             raise ValueError("fuse_layers is for eagle heads: medusa reads the final norm's output")
+        if self.reads_token and self.kind != "medusa":
+            raise ValueError("reads_token is for medusa heads: eagle reads the token it follows anyway")
         if any(i < 0 for i in self.fuse_layers):
             raise ValueError(f"fuse_layers are hidden_states indices (≥ 0), got {self.fuse_layers}")
 
@@ -186,6 +191,9 @@ class DraftHeads(nn.Module):
         self.register_buffer("vocab_ids", vocab_ids.long(), persistent=False)
         self.eagle = EagleLayer(cfg) if cfg.kind == "eagle" else None
         self.medusa = nn.ModuleList(ResBlock(cfg.hidden) for _ in range(cfg.n_medusa)) if cfg.kind == "medusa" else None
+        self.token_in = nn.Linear(cfg.hidden, cfg.hidden, bias=False) if cfg.reads_token else None
+        if self.token_in is not None:
+            nn.init.zeros_(self.token_in.weight)  # starts as plain medusa
         self.lm = nn.Linear(cfg.hidden, len(vocab_ids), bias=False).requires_grad_(False)
         # The target's own embedding table, held outside the module tree: not ours to train, move or store.
         self._embed: tuple[nn.Module, ...] = ()
@@ -204,3 +212,10 @@ class DraftHeads(nn.Module):
         assert self._embed, "attach() the target first"
         with torch.no_grad():
             return self._embed[0](tokens).float()
+
+    def medusa_input(self, features: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+        """What medusa's blocks read at feature j (..., H): f_j, plus with reads_token the token after it, t_{j+1}
+        (next_tokens, the same leading shape), embedded and projected."""
+        if self.token_in is None:
+            return features
+        return features + self.token_in(self.embed_tokens(next_tokens))

@@ -32,6 +32,7 @@ class TrainConfig:
     feature_loss: float = 0.5  # weight of the feature regression next to the token loss (eagle on the final norm)
     ttt_steps: int = 3  # eagle: draft positions trained at once, each after the layer's own predicted features
     fuse_layers: tuple[int, ...] = ()  # eagle: the target layers fused into a true slot's feature (HeadsConfig)
+    reads_token: bool = False  # medusa: the blocks also read the token after their feature (HeadsConfig)
     seed: int = 0
     checkpoint_every_s: float = 120.0
     bf16: bool = True  # autocast the training steps to bf16 (2.4× faster on this CPU; evaluation stays float32)
@@ -232,7 +233,9 @@ def eagle3_layers(n_layers: int) -> tuple[int, ...]:
     return (2, n_layers // 2, n_layers - 3)
 
 
-def heads_config(kind: str, model_config, target: str, fuse_layers: tuple[int, ...] = ()) -> HeadsConfig:
+def heads_config(
+    kind: str, model_config, target: str, fuse_layers: tuple[int, ...] = (), reads_token: bool = False
+) -> HeadsConfig:
     """Heads shaped after the target: its widths, attention heads and RoPE; an MLP a quarter of the target's."""
     c = model_config
     if any(i > c.num_hidden_layers for i in fuse_layers):
@@ -249,6 +252,7 @@ def heads_config(kind: str, model_config, target: str, fuse_layers: tuple[int, .
         rms_eps=float(getattr(c, "rms_norm_eps", 1e-6)),
         target=target,
         fuse_layers=fuse_layers,
+        reads_token=reads_token,
     )
 
 
@@ -265,7 +269,8 @@ def fit_heads(
     per head, and the held-out sequences. lm_weight: the target's LM head in float (before any quantization)."""
     train, val = split(seqs, cfg.val_fraction, cfg.seed)
     vocab_ids = choose_vocab(train, cfg.vocab, target.tokenizer.eos_token_ids)
-    heads = DraftHeads(heads_config(cfg.kind, target.model.config, target.name, cfg.fuse_layers), vocab_ids)
+    shape = heads_config(cfg.kind, target.model.config, target.name, cfg.fuse_layers, cfg.reads_token)
+    heads = DraftHeads(shape, vocab_ids)
     if seqs[0].features.shape[1] != heads.cfg.feature_width:
         raise ValueError(
             f"the data's features are {seqs[0].features.shape[1]} wide; heads with fuse_layers {cfg.fuse_layers} "

@@ -17,7 +17,7 @@ from specdec.engine import GenerationConfig, collect
 from specdec.heads_data import corpus_dataset, load_shards, read_sequences, shard_path, teacher_forced
 from specdec.heads_drafter import HeadsDrafter
 from specdec.heads_file import load_heads, read_heads, save_heads
-from specdec.heads_loss import eagle_predictions, make_batch
+from specdec.heads_loss import eagle_predictions, make_batch, medusa_logits
 from specdec.heads_model import DraftHeads, EagleCache
 from specdec.heads_train import TrainConfig, eagle3_layers, heads_config, simulated_acceptance, train_heads
 from specdec.runner import BatchRunner
@@ -70,7 +70,7 @@ def test_kept_layers_are_transformers_hidden_states(tiny_engine):
     torch.testing.assert_close(kept.hidden, torch.cat([states[i][0, -3:] for i in TINY_FUSE], -1), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("tiny_heads", ["eagle", "medusa", "eagle3"], indirect=True)
+@pytest.mark.parametrize("tiny_heads", ["eagle", "medusa", "eagle3", "medusa-token"], indirect=True)
 def test_greedy_output_with_heads_is_target_only(tiny_engine, tiny_heads):
     engine = heads_engine(tiny_engine, tiny_heads)
     target = engine.target
@@ -97,6 +97,28 @@ def test_a_session_keeps_features_across_answers(tiny_engine, tiny_heads):
     spec, events = collect(engine.stream(second, GenerationConfig(16), session=session))
     assert spec == plain
     assert sum(e.drafted for e in events) > 0
+
+
+@pytest.mark.parametrize("tiny_heads", ["medusa", "medusa-token"], indirect=True)
+def test_medusa_drafts_what_it_was_trained_to(tiny_engine, tiny_heads):
+    """Drafting at context length L + 1 reads what training scores at feature L − 1: with reads_token, the token
+    the target just emitted; and that token changes the drafts."""
+    path, val = tiny_heads
+    target = tiny_engine.cpu_target
+    heads = load_heads(path, target.model, target.name)
+    s = val[0]
+    trained = [logits[0].argmax(-1) for logits in medusa_logits(heads, make_batch([s]))]
+    drafter = HeadsDrafter(heads)
+    drafter.add_features(s.tokens[:-1], 0, s.features)
+    greedy = SamplingParams()
+    for last in range(s.answer_start, len(s.tokens)):
+        drafts = drafter.propose(s.tokens[: last + 1], 4, greedy, None).tokens
+        assert drafts.tolist() == [int(heads.vocab_ids[t[last - 1]]) for t in trained]
+    context = s.tokens[: s.answer_start + 1]
+    first = drafter.propose(context, 4, greedy, None).tokens.tolist()
+    swapped = [context[:-1] + [int(t)] for t in heads.vocab_ids[:16]]
+    changed = [drafter.propose(c, 4, greedy, None).tokens.tolist() != first for c in swapped]
+    assert any(changed) == heads.cfg.reads_token
 
 
 @pytest.mark.parametrize("tiny_heads", ["eagle", "eagle3"], indirect=True)  # medusa keeps no cache
@@ -353,6 +375,9 @@ def test_train_heads_command_writes_heads_and_resumes(tiny_engine, tmp_path, cap
     assert "resumed from" in capsys.readouterr().err
     assert cli.main(argv[:-2] + ["--text-chars", "2400"]) == 2  # other text: not mixed into the old data
     assert "holds data made from other inputs" in capsys.readouterr().err
+    assert cli.main(argv + ["--reads-token"]) == 0  # its own checkpoint: it does not resume plain medusa's
+    assert "resumed from" not in capsys.readouterr().err and json.loads(report.read_text())["reads_token"]
+    assert load_heads(out, tiny_engine.target.model, "tiny-random-target").cfg.reads_token
 
 
 def test_train_heads_from_the_corpus_with_fused_layers(tiny_engine, tiny_corpus, tmp_path, capsys):
@@ -374,6 +399,8 @@ def test_train_heads_from_the_corpus_with_fused_layers(tiny_engine, tiny_corpus,
     assert "--fuse-layers needs --corpus" in capsys.readouterr().err
     assert cli.main(argv + ["--corpus", str(tiny_corpus), "--fuse-layers", "auto"]) == 2
     assert "need 8 decoder layers" in capsys.readouterr().err
+    assert cli.main(argv + ["--corpus", str(tiny_corpus), "--reads-token"]) == 2
+    assert "reads_token is for medusa heads" in capsys.readouterr().err
 
 
 def test_train_heads_reads_only_the_corpus_shards_asked_for(tiny_corpus):
