@@ -65,7 +65,7 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 DRAFT_MODEL = "qwen2.5-0.5b"
 TARGETS = ("qwen2.5-1.5b", "qwen2.5-7b")
-HEADS_VOCAB = 7264  # the shipped heads' draft vocabulary (assets/heads/qwen-1.5b.safetensors)
+HEADS_VOCAB = 8192  # the shipped heads' draft vocabulary (assets/heads/qwen-1.5b.safetensors)
 SMALL_DIVISOR = 8  # --small: widths and vocabularies ÷ 8, two layers; the structure stays, CPU seconds
 SMALL_LAYERS = 2
 
