@@ -94,8 +94,9 @@ class HeadsDrafter:
         if last < 1 or len(self.tokens) < last or common_prefix_length(self.tokens, context) < last:
             return Proposal.of([], self.device)  # no features for this context yet (the first step is the prefill)
         if self.heads.medusa is not None:
-            # f_{L-1}: its own LM head gave t_L; block i gives t_{L+1+i}
-            f = self.heads.medusa_input(self.features[last - 1], torch.tensor(context[last], device=self.device))
+            f = self.features[last - 1]  # its own LM head gave t_L; block i gives t_{L+1+i}
+            if self.heads.token_in is not None:  # no host-to-device copy a step where nothing reads it
+                f = self.heads.medusa_input(f, torch.tensor(context[last], device=self.device))
             sub = torch.stack([self.heads.lm(block(f)) for block in list(self.heads.medusa)[:k]])
             if self.tree_width > 1:
                 return Proposal.of_tree(self._with_lookup(self._medusa_tree(sub, k), context, k), forwards=1)
