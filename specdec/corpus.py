@@ -308,11 +308,11 @@ class AnswerRecipe:
 
 
 def answer_jobs(
-    tokenizer: Tokenizer, requests: list[dict], recipe: AnswerRecipe, system_prompt: str, first: int
+    tokenizer: Tokenizer, requests: list[dict], recipe: AnswerRecipe, system_prompt: str, span: tuple[int, int]
 ) -> list[tuple[dict, Job]]:
-    """(row metadata, job) for requests[first : first + shard_size]; even indices get the system prompt."""
+    """(row metadata, job) for requests[span[0] : span[1]]; even indices get the system prompt."""
     out = []
-    for index in range(first, min(first + recipe.shard_size, len(requests))):
+    for index in range(*span):
         system = index % 2 == 0
         messages = [{"role": "system", "content": system_prompt}] if system else []
         prompt = tokenizer.chat_ids(messages + [{"role": "user", "content": requests[index]["prompt"]}])
@@ -328,11 +328,12 @@ def answer_shard(
     requests: list[dict],
     recipe: AnswerRecipe,
     system_prompt: str,
-    shard: int,
+    span: tuple[int, int],
     width: int,
 ) -> list[dict]:
-    """One shard's rows: the metadata, the prompt's and the answer's token ids, in request order."""
-    pairs = answer_jobs(tokenizer, requests, recipe, system_prompt, shard * recipe.shard_size)
+    """One shard's rows (its span of requests): the metadata, the prompt's and the answer's token ids, in request
+    order."""
+    pairs = answer_jobs(tokenizer, requests, recipe, system_prompt, span)
     jobs = [job for _, job in pairs]
     answers = dict(generate_many(runner, jobs, width, recipe.max_new_tokens, tokenizer.eos_token_ids))
     return [{**meta, "prompt_ids": job.prompt, "answer_ids": answers[i]} for i, (meta, job) in enumerate(pairs)]
@@ -342,7 +343,31 @@ def recipe_dict(recipe: AnswerRecipe, **more: object) -> dict:
     return {**asdict(recipe), "temperatures": list(recipe.temperatures), **more}
 
 
-def answer_shard_keys(requests: list[dict], recipe: AnswerRecipe) -> list[str]:
-    """Each answer shard's digest: its requests' texts, so requests appended later leave the shards before intact."""
-    size = recipe.shard_size
-    return [digest([r["prompt"] for r in requests[i : i + size]]) for i in range(0, len(requests), size)]
+def made_sizes(folder: Path, prefix: str) -> list[int]:
+    """The row counts of the shards made so far in folder, in order, up to the first missing one."""
+    sizes = []
+    while made := sorted(folder.glob(f"{prefix}_{len(sizes):04d}-*.jsonl.gz")):
+        sizes.append(len(read_rows(made[0])))
+    return sizes
+
+
+def answer_spans(n_requests: int, recipe: AnswerRecipe, made: list[int]) -> list[tuple[int, int]]:
+    """Each answer shard's span of requests. A made shard keeps its span, a short last one too: requests appended
+    later start a new shard, so a shard never changes once made and `train-heads --corpus-shards N` keeps naming the
+    same answers."""
+    spans: list[tuple[int, int]] = []
+    start = 0
+    for size in made:
+        if start + size > n_requests:
+            break
+        spans.append((start, start + size))
+        start += size
+    while start < n_requests:
+        spans.append((start, min(start + recipe.shard_size, n_requests)))
+        start = spans[-1][1]
+    return spans
+
+
+def span_key(requests: list[dict], span: tuple[int, int]) -> str:
+    """An answer shard's digest: its requests' texts, so a shard whose requests changed is made again."""
+    return digest([r["prompt"] for r in requests[span[0] : span[1]]])

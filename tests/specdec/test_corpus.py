@@ -4,6 +4,7 @@ request parsing, near-duplicate and benchmark-overlap removal, resumable shards.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,15 +15,17 @@ from specdec.corpus import (
     AnswerRecipe,
     Job,
     answer_shard,
-    answer_shard_keys,
+    answer_spans,
     check_recipe,
     decode_throughput,
     dedupe,
     generate_many,
+    made_sizes,
     parse_requests,
     read_rows,
     run_shards,
     select_requests,
+    span_key,
     writing_jobs,
 )
 from specdec.runner import BatchRunner
@@ -145,32 +148,38 @@ def test_writing_jobs_cycle_categories_with_sampled_decoding(tiny_engine):
 
 def test_answer_shards_resume_and_refuse_another_recipe(tiny_engine, tmp_path):
     """A stopped run resumes at the first missing shard (made shards are not made again), rows keep request order,
-    and a folder made from another recipe is refused."""
+    requests appended later start a new shard (a short made one stays as it is), and a folder made from another
+    recipe is refused."""
     target = tiny_engine.cpu_target
     runner = BatchRunner(target.model, target.device)
     requests = [{"prompt": f"word {i} and more", "category": "factual"} for i in range(5)]
     recipe = AnswerRecipe(max_new_tokens=6, shard_size=2, sampled_share=0.5)
     made = []
 
-    def make(i: int) -> list[dict]:
-        made.append(i)
-        return answer_shard(runner, target.tokenizer, current, recipe, "be brief", i, 2)
+    def run(current: list[dict], limit: int = 0) -> list[Path]:
+        spans = answer_spans(len(current), recipe, made_sizes(tmp_path, "answers"))
+        keys = [span_key(current, span) for span in spans]
 
-    current = requests
+        def make(i: int) -> list[dict]:
+            made.append(spans[i])
+            return answer_shard(runner, target.tokenizer, current, recipe, "be brief", spans[i], 2)
 
-    keys = answer_shard_keys(requests, recipe)
-    assert len(keys) == 3
-    run_shards(tmp_path, "answers", keys[:2], make)
-    paths = run_shards(tmp_path, "answers", keys, make)
-    assert made == [0, 1, 2]
+        return run_shards(tmp_path, "answers", keys[: limit or len(keys)], make)
+
+    run(requests, limit=2)
+    paths = run(requests)
+    assert made == [(0, 2), (2, 4), (4, 5)]
     rows = [r for p in paths for r in read_rows(p)]
     assert [r["request"] for r in rows] == [0, 1, 2, 3, 4]
     assert [r["system"] for r in rows] == [True, False, True, False, True]
     assert all(1 <= len(r["answer_ids"]) <= 6 for r in rows)
     assert {r["temperature"] for r in rows} <= {0.0, *recipe.temperatures}
-    current = changed = requests[:4] + [{"prompt": "another", "category": ""}]
-    run_shards(tmp_path, "answers", answer_shard_keys(changed, recipe), make)
-    assert made == [0, 1, 2, 2] and len(list(tmp_path.glob("answers_0002-*"))) == 1  # only the changed shard
+    paths = run(requests + [{"prompt": "one more", "category": ""}, {"prompt": "and another", "category": ""}])
+    assert made[3:] == [(5, 7)] and [len(read_rows(p)) for p in paths] == [2, 2, 1, 2]
+    assert [r["request"] for p in paths for r in read_rows(p)] == list(range(7))
+    changed = requests[:4] + [{"prompt": "another", "category": ""}]
+    run(changed)
+    assert made[4:] == [(4, 5)] and len(list(tmp_path.glob("answers_0002-*"))) == 1  # only the changed shard
     check_recipe(tmp_path / "recipe.json", {"a": 1})
     check_recipe(tmp_path / "recipe.json", {"a": 1})
     with pytest.raises(ValueError, match="another recipe"):
