@@ -146,6 +146,7 @@ def test_many_users_at_once_on_the_tiny_engine(monkeypatch):
     for t in three["turns"]:  # each answered client was heard saying its own question; the refused one not at all
         if t["outcome"] == "answered":
             assert word_error_rate(texts[t["utterance"]], t["transcript"]) < 0.3, t
-        else:  # its speech found no answer slot, so it was never transcribed (ASR runs under the same slots)
-            assert t["outcome"] == "busy" and t["transcript"] is None, t
+        else:  # its speech found no answer slot, so it was never transcribed (ASR runs under the same slots), unless
+            # an early answer started at its pause waited for one: the pass at the end of the turn ran as that answer's
+            assert t["outcome"] == "busy" and (t["transcript"] is None or "started" in t["early"]), t
     assert not app.server.sessions
