@@ -345,7 +345,7 @@ def recipe_dict(recipe: AnswerRecipe, **more: object) -> dict:
 
 def made_sizes(folder: Path, prefix: str) -> list[int]:
     """The row counts of the shards made so far in folder, in order, up to the first missing one."""
-    sizes = []
+    sizes: list[int] = []
     while made := sorted(folder.glob(f"{prefix}_{len(sizes):04d}-*.jsonl.gz")):
         sizes.append(len(read_rows(made[0])))
     return sizes
