@@ -26,19 +26,17 @@ from specdec.bench import read_prompts
 from specdec.build import DTYPES, EngineSpec, quantize_target
 from specdec.corpus import (
     AnswerRecipe,
+    answer_plan,
     answer_shard,
-    answer_spans,
     check_recipe,
     decode_throughput,
     digest,
     generate_many,
-    made_sizes,
     parse_requests,
     read_rows,
     recipe_dict,
     run_shards,
     select_requests,
-    span_key,
     writing_jobs,
 )
 from specdec.cost_grid import cpu_name
@@ -189,12 +187,12 @@ def run_stage(args: argparse.Namespace, target: LoadedModel) -> int:
     recipe = AnswerRecipe()
     answers_dir = folder / "answers"
     check_recipe(answers_dir / "recipe.json", recipe_dict(recipe, **made_by, system_prompt=SYSTEM_PROMPT))
-    spans = answer_spans(len(requests), recipe, made_sizes(answers_dir, "answers"))
-    keys = [span_key(requests, span) for span in spans]
+    plan = answer_plan(answers_dir, requests, recipe)
+    keys = [key for _, key in plan]
     n = min(len(keys), args.shards) if args.shards else len(keys)
 
     def make(i: int) -> list[dict]:
-        return answer_shard(runner, tok, requests, recipe, SYSTEM_PROMPT, spans[i], width)
+        return answer_shard(runner, tok, requests, recipe, SYSTEM_PROMPT, plan[i][0], width)
 
     with tqdm(total=n, desc="answering", unit="shard", file=sys.stderr) as bar:
         paths = run_shards(answers_dir, "answers", keys[:n], make, advance(bar))

@@ -351,6 +351,12 @@ def made_sizes(folder: Path, prefix: str) -> list[int]:
     return sizes
 
 
+def answer_plan(folder: Path, requests: list[dict], recipe: AnswerRecipe) -> list[tuple[tuple[int, int], str]]:
+    """(span of requests, key) of every answer shard in folder, the made ones first (answer_spans, span_key)."""
+    spans = answer_spans(len(requests), recipe, made_sizes(folder, "answers"))
+    return [(span, span_key(requests, span)) for span in spans]
+
+
 def answer_spans(n_requests: int, recipe: AnswerRecipe, made: list[int]) -> list[tuple[int, int]]:
     """Each answer shard's span of requests. A made shard keeps its span, a short last one too: requests appended
     later start a new shard, so a shard never changes once made and `train-heads --corpus-shards N` keeps naming the

@@ -14,18 +14,16 @@ from specdec.corpus import (
     WRITING_TEMPERATURE,
     AnswerRecipe,
     Job,
+    answer_plan,
     answer_shard,
-    answer_spans,
     check_recipe,
     decode_throughput,
     dedupe,
     generate_many,
-    made_sizes,
     parse_requests,
     read_rows,
     run_shards,
     select_requests,
-    span_key,
     writing_jobs,
 )
 from specdec.runner import BatchRunner
@@ -157,12 +155,12 @@ def test_answer_shards_resume_and_refuse_another_recipe(tiny_engine, tmp_path):
     made = []
 
     def run(current: list[dict], limit: int = 0) -> list[Path]:
-        spans = answer_spans(len(current), recipe, made_sizes(tmp_path, "answers"))
-        keys = [span_key(current, span) for span in spans]
+        plan = answer_plan(tmp_path, current, recipe)
+        keys = [key for _, key in plan]
 
         def make(i: int) -> list[dict]:
-            made.append(spans[i])
-            return answer_shard(runner, target.tokenizer, current, recipe, "be brief", spans[i], 2)
+            made.append(plan[i][0])
+            return answer_shard(runner, target.tokenizer, current, recipe, "be brief", plan[i][0], 2)
 
         return run_shards(tmp_path, "answers", keys[: limit or len(keys)], make)
 
