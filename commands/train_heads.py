@@ -109,6 +109,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab", type=positive_int, default=t.vocab, help="draft vocabulary: most frequent tokens")
     parser.add_argument("--epochs", type=positive_int, default=t.epochs)
     parser.add_argument("--lr", type=float, default=t.lr)
+    parser.add_argument("--weight-decay", type=float, default=t.weight_decay, help="AdamW's weight decay")
+    parser.add_argument(
+        "--feature-noise",
+        type=float,
+        default=t.feature_noise,
+        help="training only: uniform noise of ± this × the features' std on the features the heads read (EAGLE's)",
+    )
     parser.add_argument("--work", default="", help="data and checkpoints (default: the cache, per target)")
     parser.add_argument("--out", default="", help="heads file (default: the shipped assets/heads/<target>)")
     parser.add_argument("--json", default="", help="write the training report here")
@@ -204,6 +211,8 @@ def main(args: argparse.Namespace) -> int:
         vocab=args.vocab,
         epochs=args.epochs,
         lr=args.lr,
+        weight_decay=args.weight_decay,
+        feature_noise=args.feature_noise,
         ttt_steps=args.ttt_steps,
         fuse_layers=fuse,
         reads_token=args.reads_token,

@@ -8,7 +8,7 @@ token j + 1 + k from feature j (and, with reads_token, token j + 1).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -20,10 +20,15 @@ from .heads_model import DraftHeads
 @dataclass
 class Batch:
     tokens: torch.Tensor  # (B, T), padded with 0
-    features: torch.Tensor  # (B, T - 1, H) float32
+    features: torch.Tensor  # (B, T - 1, H) float32: the target's (what eagle's predicted features are scored on)
     labels: torch.Tensor  # (B, T - 1): the target's greedy choice after each position
     lengths: torch.Tensor  # (B,)
     answer_start: torch.Tensor  # (B,)
+    inputs: torch.Tensor | None = None  # the features the heads read, where not `features` (noised, in training)
+
+    @property
+    def read(self) -> torch.Tensor:
+        return self.features if self.inputs is None else self.inputs
 
 
 def make_batch(seqs: list[Sequence]) -> Batch:
@@ -38,6 +43,14 @@ def make_batch(seqs: list[Sequence]) -> Batch:
         feats[b, : len(s.features)] = s.features.float()
     lengths = torch.tensor([len(s.tokens) for s in seqs])
     return Batch(tokens, feats, labels, lengths, torch.tensor([s.answer_start for s in seqs]))
+
+
+def noised(batch: Batch, amplitude: float) -> Batch:
+    """The batch with uniform noise in ± amplitude on the features the heads read, not on those they are scored
+    against: EAGLE's regulariser, so that heads learn from the neighbourhood of the target's features rather than
+    memorise each one (ours overfit: 86–88 % top-1 on their training positions against 46 % held out)."""
+    noise = (torch.rand_like(batch.features) * 2 - 1) * amplitude
+    return replace(batch, inputs=batch.features + noise)
 
 
 def local_labels(tokens: torch.Tensor, vocab_ids: torch.Tensor) -> torch.Tensor:
@@ -57,7 +70,7 @@ def eagle_predictions(heads: DraftHeads, batch: Batch, steps: int) -> list[torch
     assert layer is not None
     slots = torch.arange(1, batch.tokens.shape[1])
     emb = heads.embed_tokens(batch.tokens[:, 1:])
-    x, q, k, v = layer.qkv(emb, layer.true_features(batch.features), slots)
+    x, q, k, v = layer.qkv(emb, layer.true_features(batch.read), slots)
     preds = [layer.finish(x, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))]
     drafted: list[tuple[torch.Tensor, torch.Tensor]] = []  # keys and values of steps 2 … d
     for _ in range(2, steps + 1):
@@ -129,7 +142,7 @@ def medusa_logits(heads: DraftHeads, batch: Batch) -> list[torch.Tensor]:
     """Each block's draft-vocabulary logits (B, T − 1, V) at every feature j, as drafting computes them at j = L − 1
     (reading token j + 1 = t_L with reads_token)."""
     assert heads.medusa is not None
-    inputs = heads.medusa_input(batch.features, batch.tokens[:, 1:])
+    inputs = heads.medusa_input(batch.read, batch.tokens[:, 1:])
     return [heads.lm(block(inputs)) for block in heads.medusa]
 
 

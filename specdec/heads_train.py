@@ -15,7 +15,7 @@ import torch
 
 from .heads_data import Sequence
 from .heads_drafter import HeadsDrafter
-from .heads_loss import Batch, eagle_losses, make_batch, medusa_losses
+from .heads_loss import Batch, eagle_losses, make_batch, medusa_losses, noised
 from .heads_model import DraftHeads, HeadsConfig
 from .models import LoadedModel
 from .sampling import SamplingParams
@@ -27,6 +27,8 @@ class TrainConfig:
     vocab: int = 8192  # drafts come from the most frequent answer tokens (and EOS)
     epochs: int = 8
     lr: float = 1e-3
+    weight_decay: float = 0.0  # AdamW's, on the heads' own weights
+    feature_noise: float = 0.0  # training only: uniform noise of ± this × the features' std on what heads read
     batch_sequences: int = 16
     val_fraction: float = 0.1
     feature_loss: float = 0.5  # weight of the feature regression next to the token loss (eagle on the final norm)
@@ -129,7 +131,7 @@ def train_heads(
     accuracy per head."""
     torch.manual_seed(cfg.seed)
     params = [p for p in heads.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     per_epoch = len(batches(train, cfg.batch_sequences, 0))
     total = per_epoch * cfg.epochs
     step = 0
@@ -138,6 +140,7 @@ def train_heads(
         if state["config"] == asdict(cfg) and state["heads"] == asdict(heads.cfg):
             heads.load_state_dict(state["model"], strict=False)
             opt.load_state_dict(state["optimizer"])
+            torch.set_rng_state(state["rng"])  # the noise goes on as if never stopped
             step = state["step"]
             log(f"resumed from {checkpoint} at step {step}/{total}")
         else:
@@ -149,6 +152,8 @@ def train_heads(
     while step < total:
         epoch, index = divmod(step, per_epoch)
         batch = make_batch(batches(train, cfg.batch_sequences, cfg.seed + epoch)[index])
+        if cfg.feature_noise:
+            batch = noised(batch, cfg.feature_noise * scale)
         for group in opt.param_groups:
             group["lr"] = cosine_lr(step, total, cfg.lr, warmup=max(1, total // 20))
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16 and batch.features.device.type == "cpu"):
@@ -181,6 +186,7 @@ def save_checkpoint(heads: DraftHeads, opt: torch.optim.Optimizer, cfg: TrainCon
         "heads": asdict(heads.cfg),
         "model": heads.trained_state(),
         "optimizer": opt.state_dict(),
+        "rng": torch.get_rng_state(),
         "step": step,
     }
     tmp = path.with_suffix(".partial")

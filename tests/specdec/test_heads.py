@@ -17,7 +17,7 @@ from specdec.engine import GenerationConfig, collect
 from specdec.heads_data import corpus_dataset, load_shards, read_sequences, shard_path, teacher_forced
 from specdec.heads_drafter import HeadsDrafter
 from specdec.heads_file import load_heads, read_heads, save_heads
-from specdec.heads_loss import eagle_predictions, make_batch, medusa_logits
+from specdec.heads_loss import eagle_losses, eagle_predictions, make_batch, medusa_logits, noised
 from specdec.heads_model import DraftHeads, EagleCache
 from specdec.heads_train import TrainConfig, eagle3_layers, heads_config, simulated_acceptance, train_heads
 from specdec.runner import BatchRunner
@@ -314,12 +314,16 @@ def test_switching_drafters_in_a_session(tiny_engine, tiny_heads):
         session.use_drafter("draft-model")
 
 
-def test_training_resumes_where_it_stopped(tiny_engine, tiny_data, tmp_path):
-    """A run stopped after some steps and resumed from its checkpoint ends with the weights of an unbroken run; the
-    training-time test over 3 draft positions reports an accuracy for each."""
+@pytest.mark.parametrize("regularised", [False, True])
+def test_training_resumes_where_it_stopped(tiny_engine, tiny_data, tmp_path, regularised):
+    """A run stopped after some steps and resumed from its checkpoint ends with the weights of an unbroken run, with
+    feature noise too (its random draws go on where they stopped); the training-time test over 3 draft positions
+    reports an accuracy for each."""
     target = tiny_engine.cpu_target  # train-heads runs on the CPU
     seqs = load_shards(tiny_data)
     cfg = TrainConfig(kind="eagle", vocab=96, epochs=2, lr=3e-3, batch_sequences=8, checkpoint_every_s=0.0, ttt_steps=3)
+    if regularised:
+        cfg = dataclasses.replace(cfg, feature_noise=0.3, weight_decay=0.1)
     lm_weight = target.model.get_output_embeddings().weight
 
     def fresh() -> DraftHeads:
@@ -343,6 +347,28 @@ def test_training_resumes_where_it_stopped(tiny_engine, tiny_data, tmp_path):
     assert any("resumed from" in m and "at step 4/" in m for m in logged), logged
     for name, tensor in unbroken.trained_state().items():
         assert torch.allclose(resumed.trained_state()[name], tensor, atol=1e-6), name
+
+
+@pytest.mark.parametrize("tiny_heads", ["medusa-token", "eagle"], indirect=True)
+def test_feature_noise_is_on_what_heads_read_not_on_what_they_are_scored_on(tiny_heads, tiny_engine, tiny_data):
+    path, _ = tiny_heads
+    target = tiny_engine.cpu_target
+    heads = load_heads(path, target.model, target.name)
+    batch = make_batch(load_shards(tiny_data)[:4])
+    torch.manual_seed(0)
+    noisy = noised(batch, 0.05)
+    assert noisy.features is batch.features and batch.read is batch.features
+    moved = (noisy.read - batch.features).abs()
+    assert 0.04 < float(moved.max()) <= 0.05
+    with torch.no_grad():
+        if heads.cfg.kind == "medusa":
+            clean, read = medusa_logits(heads, batch)[0], medusa_logits(heads, noisy)[0]
+            assert not torch.equal(clean, read)
+        else:
+            assert not torch.equal(eagle_predictions(heads, batch, 1)[0], eagle_predictions(heads, noisy, 1)[0])
+            # the regression target stays the target's feature: the same prediction scores the same on either batch
+            same_inputs = dataclasses.replace(noisy, inputs=None)
+            assert eagle_losses(heads, same_inputs, 1.0, 0.5, 1)[0][0] == eagle_losses(heads, batch, 1.0, 0.5, 1)[0][0]
 
 
 def test_replay_counts_acceptance_by_position(tiny_heads, tiny_engine):
