@@ -24,11 +24,7 @@ class Batch:
     labels: torch.Tensor  # (B, T - 1): the target's greedy choice after each position
     lengths: torch.Tensor  # (B,)
     answer_start: torch.Tensor  # (B,)
-    inputs: torch.Tensor | None = None  # the features the heads read, where not `features` (noised, in training)
-
-    @property
-    def read(self) -> torch.Tensor:
-        return self.features if self.inputs is None else self.inputs
+    inputs: torch.Tensor  # the features the heads read: `features` itself, or noised in training (noised)
 
 
 def make_batch(seqs: list[Sequence]) -> Batch:
@@ -42,7 +38,7 @@ def make_batch(seqs: list[Sequence]) -> Batch:
         labels[b, : len(s.labels)] = torch.tensor(s.labels)
         feats[b, : len(s.features)] = s.features.float()
     lengths = torch.tensor([len(s.tokens) for s in seqs])
-    return Batch(tokens, feats, labels, lengths, torch.tensor([s.answer_start for s in seqs]))
+    return Batch(tokens, feats, labels, lengths, torch.tensor([s.answer_start for s in seqs]), feats)
 
 
 def noised(batch: Batch, amplitude: float) -> Batch:
@@ -70,7 +66,7 @@ def eagle_predictions(heads: DraftHeads, batch: Batch, steps: int) -> list[torch
     assert layer is not None
     slots = torch.arange(1, batch.tokens.shape[1])
     emb = heads.embed_tokens(batch.tokens[:, 1:])
-    x, q, k, v = layer.qkv(emb, layer.true_features(batch.read), slots)
+    x, q, k, v = layer.qkv(emb, layer.true_features(batch.inputs), slots)
     preds = [layer.finish(x, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))]
     drafted: list[tuple[torch.Tensor, torch.Tensor]] = []  # keys and values of steps 2 … d
     for _ in range(2, steps + 1):
@@ -142,7 +138,7 @@ def medusa_logits(heads: DraftHeads, batch: Batch) -> list[torch.Tensor]:
     """Each block's draft-vocabulary logits (B, T − 1, V) at every feature j, as drafting computes them at j = L − 1
     (reading token j + 1 = t_L with reads_token)."""
     assert heads.medusa is not None
-    inputs = heads.medusa_input(batch.read, batch.tokens[:, 1:])
+    inputs = heads.medusa_input(batch.inputs, batch.tokens[:, 1:])
     return [heads.lm(block(inputs)) for block in heads.medusa]
 
 

@@ -357,8 +357,8 @@ def test_feature_noise_is_on_what_heads_read_not_on_what_they_are_scored_on(tiny
     batch = make_batch(load_shards(tiny_data)[:4])
     torch.manual_seed(0)
     noisy = noised(batch, 0.05)
-    assert noisy.features is batch.features and batch.read is batch.features
-    moved = (noisy.read - batch.features).abs()
+    assert noisy.features is batch.features and batch.inputs is batch.features
+    moved = (noisy.inputs - batch.features).abs()
     assert 0.04 < float(moved.max()) <= 0.05
     with torch.no_grad():
         if heads.cfg.kind == "medusa":
@@ -366,9 +366,10 @@ def test_feature_noise_is_on_what_heads_read_not_on_what_they_are_scored_on(tiny
             assert not torch.equal(clean, read)
         else:
             assert not torch.equal(eagle_predictions(heads, batch, 1)[0], eagle_predictions(heads, noisy, 1)[0])
-            # the regression target stays the target's feature: the same prediction scores the same on either batch
-            same_inputs = dataclasses.replace(noisy, inputs=None)
-            assert eagle_losses(heads, same_inputs, 1.0, 0.5, 1)[0][0] == eagle_losses(heads, batch, 1.0, 0.5, 1)[0][0]
+            # the regression target stays the target's feature: scored against the noised one, the loss would differ
+            scored_on_noise = dataclasses.replace(noisy, features=noisy.inputs)
+            loss = eagle_losses(heads, noisy, 1.0, 0.5, 1)[0][0]
+            assert loss != eagle_losses(heads, scored_on_noise, 1.0, 0.5, 1)[0][0]
 
 
 def test_replay_counts_acceptance_by_position(tiny_heads, tiny_engine):
