@@ -54,6 +54,11 @@ class AnswerSlots:
         self._free = limit
         self._cond = threading.Condition()
 
+    @property
+    def free(self) -> int:
+        """Slots free now (a snapshot)."""
+        return self._free
+
     def try_acquire(self) -> bool:
         with self._cond:
             if not self._free:
