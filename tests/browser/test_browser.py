@@ -158,15 +158,14 @@ def test_ab_replays_the_spoken_utterance_through_vad_and_asr(page):
 
 
 def test_push_to_talk(page, app):
-    box = page.locator("#ptt").bounding_box()
-    page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+    page.hover("#ptt")  # waits until the button is stable: a box read at once may be stale after the first render
     page.mouse.down()
     # Hold until the streaming ASR has heard the whole question (asked once the microphone opens), then release.
     try:
         page.wait_for_function("specvoice.partial.toLowerCase().includes('france')", timeout=20_000)
     except playwright.TimeoutError:  # once in CI: say what the page and the server were doing
         state = page.evaluate(
-            "({partial: specvoice.partial, vad: specvoice.vad, micMode: specvoice.micMode, "
+            "({partial: specvoice.partial, vad: specvoice.vad, pttHeld: specvoice.pttHeld, micMode: specvoice.micMode, "
             "framesSent: specvoice.framesSent, messages: specvoice.messages})"
         )
         pytest.fail(f"no partial transcript with 'france' in 20 s: {state}; free answer slots: {app.server.slots.free}")
