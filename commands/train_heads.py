@@ -90,6 +90,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "'2,14,25', or 'auto' for EAGLE-3's 2, L/2, L-3; '' (default): the final norm's output",
     )
     parser.add_argument(
+        "--also-cache",
+        default=None,
+        metavar="FUSE_LAYERS",
+        help="with --corpus: the same prefill also caches the features of heads fusing these layers (as "
+        "--fuse-layers takes them; '' for the final norm's output, medusa's), which a later run of the other kind "
+        "reads instead of prefilling the corpus again",
+    )
+    parser.add_argument(
         "--reads-token",
         action="store_true",
         help="medusa: every block also reads the token after its feature (the one the target just emitted)",
@@ -163,12 +171,16 @@ def training_data(
     fuse = cfg.fuse_layers
     if args.corpus:
         shards = corpus_shards(Path(args.corpus), args.target, args.corpus_shards)
+        n_layers = target.model.config.num_hidden_layers
+        also = () if args.also_cache is None else (parse_fuse_layers(args.also_cache, n_layers),)
         with tqdm(total=len(shards), desc="reading the corpus", unit="shard", file=sys.stderr) as bar:
-            paths = corpus_dataset(target, args.target_quant, shards, work, fuse, progress=advance(bar))
+            paths = corpus_dataset(target, args.target_quant, shards, work, fuse, progress=advance(bar), also=also)
         # A checkpoint per set of feature shards: training on more of the corpus starts over.
         return read_sequences(paths), paths[0].parent / f"{kind}-{digest([p.name for p in paths])}.ckpt"
-    if fuse:
-        raise ValueError("--fuse-layers needs --corpus: the prompts' answers keep the final norm's output only")
+    if fuse or args.also_cache is not None:
+        raise ValueError(
+            "--fuse-layers and --also-cache need --corpus: the prompts' answers keep the final norm's output only"
+        )
     with tqdm(total=1, desc="answering", unit="batch", file=sys.stderr) as bar:
         prompts = training_prompts(target.tokenizer, read_prompts(args.prompts, args.limit))
         make_dataset(target, prompts, work, args.max_new_tokens, args.batch_size, advance(bar))

@@ -182,14 +182,19 @@ def shipped_text(limit_chars: int) -> str:
 
 @torch.inference_mode()
 def teacher_forced(
-    target: LoadedModel, rows: list[dict], fuse_layers: tuple[int, ...] = (), batch_tokens: int = 4096
-) -> Iterator[Sequence]:
+    target: LoadedModel,
+    rows: list[dict],
+    layer_sets: tuple[tuple[int, ...], ...] = ((),),
+    batch_tokens: int = 4096,
+) -> Iterator[list[Sequence]]:
     """Sequences from corpus rows (prompt_ids + answer_ids, specdec/corpus.py) with the target's features recomputed
     by a teacher-forced prefill: rows packed into forwards of up to batch_tokens positions (runner.BatchRunner: no
-    padding; on an AMX CPU a forward of many rows costs little more than one). Features: the final norm's output,
-    or the fuse_layers' states side by side."""
+    padding; on an AMX CPU a forward of many rows costs little more than one). For each row, one sequence per set of
+    layer_sets, whose features are the final norm's output (()) or those layers' states side by side: one prefill
+    serves heads of every kind."""
     runner = BatchRunner(target.model, target.device)  # fused attention: training data needs no bit-exact rows
-    keep = (*fuse_layers, runner.n_layers)  # and the final norm's output: a sampled answer's labels come from it
+    fused = sorted({i for layers in layer_sets for i in layers})
+    keep = (*fused, runner.n_layers)  # and the final norm's output: a sampled answer's labels come from it
     for group in _packed(rows, batch_tokens):
         caches = [runner.new_cache() for _ in group]
         for cache in caches:
@@ -197,7 +202,7 @@ def teacher_forced(
         runner.extend([Feed(c, row["prompt_ids"] + row["answer_ids"][:-1]) for c, row in zip(caches, group)])
         for row, cache in zip(group, caches):
             assert cache.hidden is not None
-            yield _forced_sequence(target, row, cache.hidden, bool(fuse_layers))
+            yield _forced_sequences(target, row, cache.hidden, keep, layer_sets)
 
 
 def _packed(rows: list[dict], budget: int) -> Iterator[list[dict]]:
@@ -215,19 +220,30 @@ def _packed(rows: list[dict], budget: int) -> Iterator[list[dict]]:
         yield group
 
 
-def _forced_sequence(target: LoadedModel, row: dict, hidden: torch.Tensor, fused: bool) -> Sequence:
-    """hidden: the kept states (fused layers, then the final norm's output) at every position but the last."""
+def _forced_sequences(
+    target: LoadedModel, row: dict, hidden: torch.Tensor, keep: tuple[int, ...], layer_sets: tuple[tuple[int, ...], ...]
+) -> list[Sequence]:
+    """hidden: the states of the layers `keep` side by side (the final norm's output last) at every position but
+    the last; one sequence per set of layer_sets."""
     tokens = row["prompt_ids"] + row["answer_ids"]
     start = len(row["prompt_ids"])
-    width = target.model.config.hidden_size
-    states, final = hidden.split([hidden.shape[1] - width, width], dim=-1)
-    features = (states if fused else final).to(torch.bfloat16).cpu()
-    if row["temperature"] == 0:
-        return Sequence(tokens, start, features, tokens[1:])
-    # A sampled answer: the heads learn the target's greedy choice after each of its positions, not the sample.
-    head = target.model.get_output_embeddings()
-    chosen = [int(t) for chunk in final[start - 1 :].split(256) for t in head(chunk).argmax(-1)]
-    return Sequence(tokens, start, features, tokens[1:start] + chosen, is_answer=False)
+    states = hidden.split(target.model.config.hidden_size, dim=-1)  # one per kept layer
+    final = states[-1]
+    is_answer = row["temperature"] == 0
+    labels = tokens[1:]
+    if not is_answer:  # a sampled answer: the heads learn the target's greedy choice after each of its positions
+        head = target.model.get_output_embeddings()
+        labels = tokens[1:start] + [int(t) for chunk in final[start - 1 :].split(256) for t in head(chunk).argmax(-1)]
+    return [
+        Sequence(
+            tokens,
+            start,
+            (torch.cat([states[keep.index(i)] for i in layers], -1) if layers else final).to(torch.bfloat16).cpu(),
+            labels,
+            is_answer=is_answer,
+        )
+        for layers in layer_sets
+    ]
 
 
 def corpus_dataset(
@@ -238,21 +254,33 @@ def corpus_dataset(
     fuse_layers: tuple[int, ...] = (),
     batch_tokens: int = 4096,
     progress: Callable[[int, int], None] = lambda done, total: None,
+    also: tuple[tuple[int, ...], ...] = (),
 ) -> list[Path]:
     """The features of the corpus's answer shards, by teacher_forced: one feature shard per answer shard, in a folder
     of work/corpus/ per recipe (target, quant, dtype, fuse_layers), named by the answer shard's content, so a stopped
-    run resumes at the first missing one and a remade answer shard is read anew. Returns the feature shards' paths
-    (read_sequences reads them)."""
-    recipe = {"target": target.name, "quant": quant, "dtype": str(target.dtype), "fuse_layers": list(fuse_layers)}
-    folder = work / "corpus" / digest(recipe)
-    _check_recipe(folder / "recipe.json", recipe)
+    run resumes at the first missing one and a remade answer shard is read anew. also: other sets of fused layers
+    ((): the final norm's output) whose features the same prefill caches in their recipes' folders, for heads of
+    another kind later. Returns the feature shards' paths for fuse_layers (read_sequences reads them)."""
+    layer_sets = (fuse_layers, *dict.fromkeys(layers for layers in also if layers != fuse_layers))
+    folders = []
+    for layers in layer_sets:
+        recipe = {"target": target.name, "quant": quant, "dtype": str(target.dtype), "fuse_layers": list(layers)}
+        folders.append(work / "corpus" / digest(recipe))
+        _check_recipe(folders[-1] / "recipe.json", recipe)
     paths = []
     for i, shard in enumerate(shards):
         content = hashlib.sha256(shard.read_bytes()).hexdigest()[:12]
-        path = folder / f"{shard.name.split('.')[0]}-{content}.pt"
-        if not path.exists():
-            seqs = teacher_forced(target, read_rows(shard), fuse_layers, batch_tokens)
-            _save_shard([s.to_row() for s in seqs], path)
-        paths.append(path)
+        name = f"{shard.name.split('.')[0]}-{content}.pt"
+        missing = [
+            (layers, folder / name) for layers, folder in zip(layer_sets, folders) if not (folder / name).exists()
+        ]
+        if missing:
+            made: list[list[dict]] = [[] for _ in missing]
+            for seqs in teacher_forced(target, read_rows(shard), tuple(layers for layers, _ in missing), batch_tokens):
+                for rows, seq in zip(made, seqs):
+                    rows.append(seq.to_row())
+            for rows, (_, path) in zip(made, missing):
+                _save_shard(rows, path)
+        paths.append(folders[0] / name)
         progress(i + 1, len(shards))
     return paths

@@ -162,7 +162,9 @@ def test_training_time_test_attends_as_drafting_does(tiny_engine, tiny_corpus, f
     heads.attach(target.model.get_input_embeddings(), target.model.get_output_embeddings().weight)
     layer = heads.eagle
     assert layer is not None
-    seqs = list(teacher_forced(target, read_rows(tiny_corpus / "answers" / "answers_0000.jsonl.gz")[:3], fuse))
+    seqs = [
+        s for (s,) in teacher_forced(target, read_rows(tiny_corpus / "answers" / "answers_0000.jsonl.gz")[:3], (fuse,))
+    ]
     with torch.no_grad():
         preds = eagle_predictions(heads, make_batch(seqs), steps=3)
         for b, s in enumerate(seqs):
@@ -185,14 +187,23 @@ def test_corpus_features_are_a_direct_forward_s(tiny_engine, tiny_corpus):
     layers (in bf16); a greedy answer's labels are its tokens, a sampled one's the target's greedy choices."""
     target = tiny_engine.cpu_target
     rows = read_rows(tiny_corpus / "answers" / "answers_0000.jsonl.gz")
-    seqs = list(teacher_forced(target, rows, TINY_FUSE, batch_tokens=100))
+    both = list(teacher_forced(target, rows, (TINY_FUSE, ()), batch_tokens=100))
+    seqs = [fused for fused, _ in both]
     assert len(seqs) == len(rows) and {s.is_answer for s in seqs} == {True, False}
-    for row, s in zip(rows, seqs):
+    for row, s, (_, plain) in zip(rows, seqs, both):
         assert s.tokens == row["prompt_ids"] + row["answer_ids"] and s.answer_start == len(row["prompt_ids"])
         with torch.inference_mode():
             out = target.model(torch.tensor([s.tokens[:-1]]), output_hidden_states=True)
         direct = torch.cat([out.hidden_states[i][0] for i in TINY_FUSE], -1)
         torch.testing.assert_close(s.features, direct.to(torch.bfloat16))
+        # the same prefill's final norm output (the LM head's input), for the other kind of heads
+        torch.testing.assert_close(plain.features, out.hidden_states[-1][0].to(torch.bfloat16))
+        assert (plain.tokens, plain.answer_start, plain.labels, plain.is_answer) == (
+            s.tokens,
+            s.answer_start,
+            s.labels,
+            s.is_answer,
+        )
         assert s.is_answer == (row["temperature"] == 0)
         if s.is_answer:
             assert s.labels == s.tokens[1:]
@@ -217,6 +228,27 @@ def test_corpus_features_are_cached_per_shard_and_recipe(tiny_engine, tiny_corpu
     write_rows(remade, read_rows(shards[0])[:5])
     again = corpus_dataset(target, "none", [remade], tmp_path, TINY_FUSE)
     assert again[0] != paths[0] and len(read_sequences(again)) == 5
+
+
+def test_one_prefill_caches_the_features_of_both_kinds(tiny_engine, tiny_corpus, tmp_path):
+    """also: the fused run caches the final norm's features too, which a medusa run then reads instead of making
+    them; a shard missing from one recipe only is made again for that recipe only."""
+    target = tiny_engine.cpu_target
+    shards = sorted((tiny_corpus / "answers").glob("answers_*.jsonl.gz"))
+    fused = corpus_dataset(target, "none", shards, tmp_path / "both", TINY_FUSE, also=((), TINY_FUSE))
+    made = {p: p.stat().st_mtime_ns for p in (tmp_path / "both" / "corpus").rglob("*.pt")}
+    assert len(made) == 4
+    plain = corpus_dataset(target, "none", shards, tmp_path / "both", ())
+    assert plain[0].parent != fused[0].parent and {p: made[p] for p in plain} == {
+        p: p.stat().st_mtime_ns for p in plain
+    }
+    alone = corpus_dataset(target, "none", shards, tmp_path / "alone", ())
+    for a, b in zip(read_sequences(plain), read_sequences(alone), strict=True):
+        torch.testing.assert_close(a.features, b.features)
+        assert (a.tokens, a.labels, a.is_answer) == (b.tokens, b.labels, b.is_answer)
+    plain[1].unlink()
+    assert corpus_dataset(target, "none", shards, tmp_path / "both", TINY_FUSE, also=((),)) == fused
+    assert plain[1].exists() and all(p.stat().st_mtime_ns == made[p] for p in (*fused, plain[0]))
 
 
 @pytest.mark.parametrize("tiny_heads", ["eagle"], indirect=True)
@@ -423,7 +455,17 @@ def test_train_heads_from_the_corpus_with_fused_layers(tiny_engine, tiny_corpus,
     assert cli.main(argv + corpus) == 0  # again: the features and the finished training are reused
     assert [p.stat().st_mtime_ns for p in features] == times and "resumed from" in capsys.readouterr().err
     assert cli.main(argv + ["--fuse-layers", "0,1,2"]) == 2
-    assert "--fuse-layers needs --corpus" in capsys.readouterr().err
+    assert "--fuse-layers and --also-cache need --corpus" in capsys.readouterr().err
+    # the fused run caches medusa's features too (a fresh work folder: the fused ones are there already)
+    both = tmp_path / "both"
+    argv_both = [a if a != str(work) else str(both) for a in argv]
+    assert cli.main(argv_both + corpus + ["--also-cache", ""]) == 0
+    features = sorted((both / "corpus").glob("*/answers_*.pt"))
+    times = [p.stat().st_mtime_ns for p in features]
+    assert len(features) == 4
+    medusa = [a if a != "eagle" else "medusa" for a in argv_both]
+    assert cli.main(medusa + ["--corpus", str(tiny_corpus), "--out", str(tmp_path / "m.safetensors")]) == 0
+    assert [p.stat().st_mtime_ns for p in features] == times
     assert cli.main(argv + ["--corpus", str(tiny_corpus), "--fuse-layers", "auto"]) == 2
     assert "need 8 decoder layers" in capsys.readouterr().err
     assert cli.main(argv + ["--corpus", str(tiny_corpus), "--reads-token"]) == 2
