@@ -96,9 +96,9 @@ def eagle_losses(
     out = []
     for d, pred in enumerate(eagle_predictions(heads, batch, steps), start=1):
         position_counted = counted & (slots[None, :-1] >= d)
-        logits = heads.lm(pred[:, :-1])
-        lab = labels.masked_fill(~position_counted, -100)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), lab.reshape(-1), ignore_index=-100)
+        logits = heads.lm(pred[:, :-1][position_counted])  # only where scored: the prompt's slots are half
+        lab = labels[position_counted]
+        loss = F.cross_entropy(logits, lab, ignore_index=-100)
         if regress:
             reg = ((pred[:, :-1] - true_next) / feature_scale).pow(2).mean(-1)[position_counted].mean()
             loss = loss + reg * feature_loss
@@ -134,28 +134,30 @@ def draft_attention(
     return attended
 
 
-def medusa_logits(heads: DraftHeads, batch: Batch) -> list[torch.Tensor]:
+def medusa_logits(heads: DraftHeads, batch: Batch, where: torch.Tensor | None = None) -> list[torch.Tensor]:
     """Each block's draft-vocabulary logits (B, T − 1, V) at every feature j, as drafting computes them at j = L − 1
-    (reading token j + 1 = t_L with reads_token)."""
+    (reading token j + 1 = t_L with reads_token); or (N, V) at the features where `where` (B, T − 1) is true only."""
     assert heads.medusa is not None
-    inputs = heads.medusa_input(batch.inputs, batch.tokens[:, 1:])
+    features, next_tokens = batch.inputs, batch.tokens[:, 1:]
+    if where is not None:
+        features, next_tokens = features[where], next_tokens[where]
+    inputs = heads.medusa_input(features, next_tokens)
     return [heads.lm(block(inputs)) for block in heads.medusa]
 
 
 def medusa_losses(heads: DraftHeads, batch: Batch) -> list[tuple[torch.Tensor, int, int]]:
     """(loss, correct, counted) per block: block k (0-based) at feature j is scored on token j + 2 + k (the choice
-    after position j + 1 + k)."""
-    b, t = batch.tokens.shape
+    after position j + 1 + k). Logits only at the answer's features: the prompt's are half the positions."""
+    t = batch.tokens.shape[1]
     positions = torch.arange(t - 1)
+    scored = (positions[None, :] + 1 >= batch.answer_start[:, None]) & (positions[None, :] + 2 < batch.lengths[:, None])
+    rows, cols = scored.nonzero(as_tuple=True)  # block 0's scored features; block k's are those with k more to go
     out = []
-    for k, logits in enumerate(medusa_logits(heads, batch)):
-        target_pos = positions + 2 + k
-        in_range = target_pos[None, :] < batch.lengths[:, None]
-        counted = in_range & (positions[None, :] + 1 >= batch.answer_start[:, None])
-        after = (target_pos - 1).clamp(max=t - 2).expand(b, -1)
-        lab = local_labels(batch.labels.gather(1, after), heads.vocab_ids)
-        lab = lab.masked_fill(~counted, -100)
-        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), lab.reshape(-1), ignore_index=-100)
+    for k, logits in enumerate(medusa_logits(heads, batch, scored)):
+        counted = cols + 2 + k < batch.lengths[rows]
+        after = (cols + 1 + k).clamp(max=t - 2)
+        lab = local_labels(batch.labels[rows, after], heads.vocab_ids).masked_fill(~counted, -100)
+        ce = F.cross_entropy(logits, lab, ignore_index=-100)
         valid = lab != -100
         out.append((ce, int((logits.argmax(-1)[valid] == lab[valid]).sum()), int(counted.sum())))
     return out

@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from commands import cli
 from specdec.build import build_engine
@@ -17,7 +18,15 @@ from specdec.engine import GenerationConfig, collect
 from specdec.heads_data import corpus_dataset, load_shards, read_sequences, shard_path, teacher_forced
 from specdec.heads_drafter import HeadsDrafter
 from specdec.heads_file import load_heads, read_heads, save_heads
-from specdec.heads_loss import eagle_losses, eagle_predictions, make_batch, medusa_logits, noised
+from specdec.heads_loss import (
+    eagle_losses,
+    eagle_predictions,
+    local_labels,
+    make_batch,
+    medusa_logits,
+    medusa_losses,
+    noised,
+)
 from specdec.heads_model import DraftHeads, EagleCache
 from specdec.heads_train import TrainConfig, eagle3_layers, heads_config, simulated_acceptance, train_heads
 from specdec.runner import BatchRunner
@@ -379,6 +388,48 @@ def test_training_resumes_where_it_stopped(tiny_engine, tiny_data, tmp_path, reg
     assert any("resumed from" in m and "at step 4/" in m for m in logged), logged
     for name, tensor in unbroken.trained_state().items():
         assert torch.allclose(resumed.trained_state()[name], tensor, atol=1e-6), name
+
+
+@pytest.mark.parametrize("tiny_heads", ["medusa", "medusa-token", "eagle", "eagle3"], indirect=True)
+def test_losses_at_the_scored_positions_only_equal_those_of_every_positions_logits(
+    tiny_heads, tiny_engine, tiny_data, tiny_corpus
+):
+    """The losses project only the positions they score (the prompt's are about half): the same losses, hits and
+    counts as the logits at every position, masked."""
+    path, _ = tiny_heads
+    target = tiny_engine.cpu_target
+    heads = load_heads(path, target.model, target.name)
+    if heads.cfg.fuse_layers:  # the fused layers' features, which the fixture cached
+        shards = sorted((tiny_corpus / "answers").glob("answers_*.jsonl.gz"))
+        seqs = read_sequences(corpus_dataset(target, "none", shards, tiny_corpus / "work", TINY_FUSE))
+    else:
+        seqs = load_shards(tiny_data)
+    batch = make_batch(seqs[:6])
+    b, t = batch.tokens.shape
+    pos = torch.arange(t - 1)
+    answer = pos[None, :] + 1 >= batch.answer_start[:, None]
+    expected = []
+    with torch.no_grad():
+        if heads.cfg.kind == "medusa":
+            got = medusa_losses(heads, batch)
+            for k, full in enumerate(medusa_logits(heads, batch)):
+                counted = answer & (pos[None, :] + 2 + k < batch.lengths[:, None])
+                after = (pos + 1 + k).clamp(max=t - 2).expand(b, -1)
+                expected.append((full, local_labels(batch.labels.gather(1, after), heads.vocab_ids), counted))
+        else:
+            got = eagle_losses(heads, batch, 1.0, 0.0, 3)
+            labels = local_labels(batch.labels[:, 1:], heads.vocab_ids)
+            for d, pred in enumerate(eagle_predictions(heads, batch, 3), start=1):
+                slot = pos[None, :-1] + 1
+                counted = answer[:, :-1] & (slot + 1 < batch.lengths[:, None]) & (slot >= d)
+                expected.append((heads.lm(pred[:, :-1]), labels, counted))
+    assert len(got) == len(expected)
+    for (loss, hits, n), (full, labels, counted) in zip(got, expected):
+        lab = labels.masked_fill(~counted, -100)
+        valid = lab != -100
+        assert n == int(counted.sum()) > 0 and hits == int((full.argmax(-1)[valid] == lab[valid]).sum())
+        ce = F.cross_entropy(full.reshape(-1, full.shape[-1]), lab.reshape(-1), ignore_index=-100)
+        torch.testing.assert_close(loss, ce)
 
 
 @pytest.mark.parametrize("tiny_heads", ["medusa-token", "eagle"], indirect=True)
