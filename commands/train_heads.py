@@ -164,20 +164,20 @@ def corpus_shards(folder: Path, target: str, limit: int = 0) -> list[Path]:
 
 
 def training_data(
-    args: argparse.Namespace, target: LoadedModel, work: Path, cfg: TrainConfig
+    args: argparse.Namespace, target: LoadedModel, work: Path, cfg: TrainConfig, also: tuple[int, ...] | None = None
 ) -> tuple[list[Sequence], Path]:
-    """The sequences to train on and the checkpoint for them: the corpus's, else the prompts' answers and text."""
+    """The sequences to train on and the checkpoint for them: the corpus's, else the prompts' answers and text.
+    also: --also-cache's layers (None: not asked for)."""
     kind = cfg.kind + ("-token" if cfg.reads_token else "")  # names the checkpoint: no run resumes another's
     fuse = cfg.fuse_layers
     if args.corpus:
         shards = corpus_shards(Path(args.corpus), args.target, args.corpus_shards)
-        n_layers = target.model.config.num_hidden_layers
-        also = () if args.also_cache is None else (parse_fuse_layers(args.also_cache, n_layers),)
+        others = () if also is None else (also,)
         with tqdm(total=len(shards), desc="reading the corpus", unit="shard", file=sys.stderr) as bar:
-            paths = corpus_dataset(target, args.target_quant, shards, work, fuse, progress=advance(bar), also=also)
+            paths = corpus_dataset(target, args.target_quant, shards, work, fuse, progress=advance(bar), also=others)
         # A checkpoint per set of feature shards: training on more of the corpus starts over.
         return read_sequences(paths), paths[0].parent / f"{kind}-{digest([p.name for p in paths])}.ckpt"
-    if fuse or args.also_cache is not None:
+    if fuse or also is not None:
         raise ValueError(
             "--fuse-layers and --also-cache need --corpus: the prompts' answers keep the final norm's output only"
         )
@@ -218,6 +218,9 @@ def main(args: argparse.Namespace) -> int:
     quantize_target(target, args.target_quant)
 
     fuse = parse_fuse_layers(args.fuse_layers, target.model.config.num_hidden_layers)
+    also = (
+        None if args.also_cache is None else parse_fuse_layers(args.also_cache, target.model.config.num_hidden_layers)
+    )
     cfg = TrainConfig(
         kind=args.kind,
         vocab=args.vocab,
@@ -231,8 +234,10 @@ def main(args: argparse.Namespace) -> int:
     )
     # A bad --fuse-layers or --reads-token fails now, not after the data.
     heads_config(cfg.kind, target.model.config, target.name, fuse, cfg.reads_token)
+    if also:
+        heads_config("eagle", target.model.config, target.name, also)  # the layers --also-cache keeps
     compute.release_workers()  # the corpus's prefill runs on the compute thread: this thread's pool must not slow it
-    seqs, checkpoint = training_data(args, target, work, cfg)
+    seqs, checkpoint = training_data(args, target, work, cfg, also)
     compute.run(compute.release_workers)  # and training runs here: the compute thread's pool goes in turn
     data_s = time.perf_counter() - started
     with tqdm(total=1, desc=f"training {cfg.kind}", unit="step", file=sys.stderr) as bar:

@@ -519,6 +519,8 @@ def test_train_heads_from_the_corpus_with_fused_layers(tiny_engine, tiny_corpus,
     assert [p.stat().st_mtime_ns for p in features] == times
     assert cli.main(argv + ["--corpus", str(tiny_corpus), "--fuse-layers", "auto"]) == 2
     assert "need 8 decoder layers" in capsys.readouterr().err
+    assert cli.main(argv + ["--corpus", str(tiny_corpus), "--also-cache", "0,9"]) == 2  # before any prefill
+    assert "the target's hidden_states go to" in capsys.readouterr().err
     assert cli.main(argv + ["--corpus", str(tiny_corpus), "--reads-token"]) == 2
     assert "reads_token is for medusa heads" in capsys.readouterr().err
 
