@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -73,10 +74,14 @@ class TurnListener:
         self._wait = self._decide()
         self.pauses: list[dict] = []  # each pause of the turn: its signals, the wait chosen and why (Timeline.pauses)
         self._pause_costs: dict[str, float] = {}
+        self._scoring: Future[tuple[float, float]] | None = None  # Smart Turn on the current pause: (P, cost in s)
+        self._scorer: ThreadPoolExecutor | None = None  # its thread, made at the first pause
         self.vad = EndOfTurnDetector(hangover_ms=self._wait.ms)
         # A whisper call costs ~0.15 s here (10 s window). Partials every second leave the ASR thread idle most of
         # the time, so the call started when the speaker pauses can begin at once.
-        # wake: called on the ASR thread after each pass, so the owner can poll() between audio frames.
+        # wake: called after each ASR pass and Smart Turn call, on their threads, so the owner can poll() between
+        # audio frames.
+        self.wake = wake
         self.asr = StreamingTranscriber(transcriber, interval_s=asr_interval_s, capacity=capacity, on_pass=wake)
         self.start_early, self.prefill, self.notify = start_early, prefill, notify
         self._pause_words: str | None = None  # what was said up to the current pause, once transcribed
@@ -99,15 +104,15 @@ class TurnListener:
                 resumed_t = self.vad.last_voiced[0] - FRAME_S  # the start of the frame that was voiced again
                 self._close_pause(max(0.0, resumed_t - self._paused_at))
                 self._pause_words, self._pause_heard_all = None, False
-                self._pause, self._pause_costs = PauseSignals(), {}
+                self._pause, self._pause_costs, self._scoring = PauseSignals(), {}, None
                 self._apply()
                 self._discard_early()
             self._prefill_words()
             return None
         if not was_paused:
             self._paused_at = self.vad.last_voiced[0]
-            self._score_audio()  # first (~40 ms on one thread), then the pause's ASR pass has the cores
             self.asr.speech_paused(self.vad.last_voiced[1])
+            self._score_audio()
         self.poll()
         return None
 
@@ -128,12 +133,24 @@ class TurnListener:
         self._apply()
 
     def _score_audio(self) -> None:
-        """Smart Turn on the turn's audio up to the pause's last voiced sample; its cost is kept beside the ASR's."""
+        """Smart Turn on the turn's audio up to the pause's last voiced sample, on its own thread beside the pause's
+        ASR pass (one thread each): in series it delayed the words, and so the early answer, by its whole cost.
+        poll() reads the result; until then the pause waits the long wait."""
         if self.smart_turn is None or self.turn_end.mode != "smart":
             return
-        t0 = time.perf_counter()
-        p = self.smart_turn.probability(self.asr.audio(self.vad.last_voiced[1]))
-        self._pause_costs["smart_turn_ms"] = (time.perf_counter() - t0) * 1000
+        if self._scorer is None:
+            self._scorer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="smart-turn")
+        audio = self.asr.audio(self.vad.last_voiced[1])
+        self._scoring = self._scorer.submit(_timed, self.smart_turn.probability, audio)
+        if (wake := self.wake) is not None:
+            self._scoring.add_done_callback(lambda _: wake())
+
+    def _read_audio_probability(self) -> None:
+        if self._scoring is None or not self._scoring.done():
+            return
+        scoring, self._scoring = self._scoring, None
+        p, cost_s = scoring.result()  # its exception, if any, ends the turn as the ASR's would
+        self._pause_costs["smart_turn_ms"] = cost_s * 1000
         self._learn(end_of_turn_probability=p)
 
     def _close_pause(self, silence_s: float | None) -> None:
@@ -160,6 +177,7 @@ class TurnListener:
         on them."""
         if not self.vad.paused:
             return
+        self._read_audio_probability()
         self._read_end_probability()
         if self._pause_heard_all:
             return
@@ -257,3 +275,10 @@ class TurnListener:
         """Abandon the turn: the ASR stops and an early answer still held is discarded."""
         self._discard_early()
         self.asr.close()
+        if self._scorer is not None:
+            self._scorer.shutdown(wait=False, cancel_futures=True)
+
+
+def _timed(f: Callable[[np.ndarray], float], audio: np.ndarray) -> tuple[float, float]:
+    t0 = time.perf_counter()
+    return f(audio), time.perf_counter() - t0

@@ -210,7 +210,8 @@ class MicInput:
         self.start_early(words, timeline, hold)
 
     def _wake(self) -> None:
-        """On the ASR thread: the words of a pause may be in, and the early answer need not wait for the next frame."""
+        """On the ASR or Smart Turn thread: a signal of a pause may be in, and its decision need not wait for the next
+        frame."""
         self.queue.put_nowait(("poll",))
 
     def _audio(self, chunk: np.ndarray, t_start: float) -> None:

@@ -172,12 +172,13 @@ def agent_with(asr, answer="Ottawa is the capital of Canada.", end_of_message_pr
 
 
 class FixedSmartTurn:
-    """Smart Turn's stand-in: the same P(finished) for any audio."""
+    """Smart Turn's stand-in: the same P(finished) for any audio, after cost_s."""
 
-    def __init__(self, p: float) -> None:
-        self.p = p
+    def __init__(self, p: float, cost_s: float = 0.0) -> None:
+        self.p, self.cost_s = p, cost_s
 
     def probability(self, audio16k):
+        time.sleep(self.cost_s)
         return self.p
 
 
@@ -219,6 +220,50 @@ def test_a_finished_question_is_answered_after_the_short_wait_when_both_say_fini
     # The short wait chosen; the measured one is at least that (how much more depends on this machine's speed, so
     # only that it is below the next longer wait is asserted).
     assert pause["wait_ms"] == TurnEnd().complete_ms and TurnEnd().complete_ms - 40 <= wait < TurnEnd().unsure_ms
+
+
+@needs_espeak
+def test_smart_turn_scores_the_pause_beside_its_asr_pass_so_the_words_do_not_wait_for_it():
+    audio, ends = spoken("What is the capital of France?")
+    asr = ScriptedASR([(ends[0] - 0.1, "What is the capital of France?")])
+    agent, _ = agent_with(asr, end_of_message_probability=0.8, turn_end=TurnEnd("smart"))
+    agent.smart_turn = FixedSmartTurn(0.95, cost_s=0.3)
+    result = agent.turn_from_recording(agent.new_conversation(), audio, True)
+    (pause,) = result.timeline.pauses
+    # In series the words came after the model's 300 ms; beside it they come first, and the early answer with them.
+    assert pause["words_at_ms"] < 250 <= 300 <= pause["smart_turn_ms"] <= pause["end_of_turn_probability_at_ms"]
+    assert pause["end_of_turn_probability"] == 0.95 and pause["wait_ms"] == TurnEnd().complete_ms
+    assert result.timeline.early_start is not None and result.transcript == "What is the capital of France?"
+
+
+class SlowOnTheFragment:
+    """Smart Turn's stand-in: audio up to the end of the fragment sounds finished (0.9) but takes 1 s to score, longer
+    than the pause after it; the whole question sounds unfinished (0.05) and is scored at once."""
+
+    def __init__(self, fragment_end_s: float) -> None:
+        self.fragment_end_s = fragment_end_s
+
+    def probability(self, audio16k):
+        fragment = len(audio16k) / SAMPLE_RATE < self.fragment_end_s + 0.2
+        time.sleep(1.0 if fragment else 0.0)
+        return 0.9 if fragment else 0.05
+
+
+@needs_espeak
+def test_a_score_that_comes_after_the_speaker_went_on_is_not_the_next_pauses():
+    audio, ends = spoken("I would like to know why", 0.5, "the sky is blue.")
+    asr = ScriptedASR(
+        [(ends[0] - 0.1, "I would like to know why."), (ends[2] - 0.1, "I would like to know why the sky is blue.")]
+    )
+    agent, _ = agent_with(asr, end_of_message_probability=0.9, turn_end=TurnEnd("smart"))
+    agent.smart_turn = SlowOnTheFragment(ends[0])
+    result = agent.turn_from_recording(agent.new_conversation(), audio, True)
+    assert result.transcript == "I would like to know why the sky is blue."
+    *before, last = result.timeline.pauses
+    (mid,) = [p for p in before if p["silence_ms"] > 300]
+    # Unscored while it lasted, so it waited the long wait; its late 0.9 never reached the last pause.
+    assert mid["end_of_turn_probability"] is None and "audio not scored yet" in mid["why"]
+    assert last["end_of_turn_probability"] == 0.05 and last["wait_ms"] == TurnEnd().incomplete_ms
 
 
 @needs_espeak
