@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -21,6 +20,7 @@ from specdec.llamacpp import ISOLATION, LlamaCppRun, generate_alone, preset_gguf
 from specdec.metrics import DEFINITIONS, SpecStats
 from specdec.models import load_model
 from specdec.scheduler import BatchScheduler
+from specdec.timing import timed
 
 from .options import add_engine_arguments, spec_from_args
 
@@ -57,12 +57,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "and heads:FILE for more heads (summary.drafters); the summary's own keys stay --draft's",
     )
     parser.add_argument("--json", required=True)
-
-
-def _timed(fn, *args) -> tuple[list[int], float]:
-    t0 = time.perf_counter()
-    tokens = fn(*args)
-    return tokens, time.perf_counter() - t0
 
 
 def _entry(tokens: list[int], seconds: float) -> dict:
@@ -158,12 +152,12 @@ def main(args: argparse.Namespace) -> int:
     totals = {name: SpecStats() for name in drafters}
     results = []
     for i, (row, prompt) in enumerate(zip(rows, prompts)):
-        base, base_s = _timed(run_engine, engines[spec.draft], prompt, base_cfg)
+        base, base_s = timed(run_engine, engines[spec.draft], prompt, base_cfg)
         runs = {}
         for name, e in engines.items():  # each drafter right after the same baseline, interleaved per prompt
             stats = SpecStats()
             notes: list[str] = []  # why speculation changed state in this answer
-            spec_tokens, spec_s = _timed(run_engine, e, prompt, spec_cfg, stats, notes)
+            spec_tokens, spec_s = timed(run_engine, e, prompt, spec_cfg, stats, notes)
             totals[name].merge(stats)
             div = first_divergence(base, spec_tokens)
             runs[name] = {
@@ -183,10 +177,10 @@ def main(args: argparse.Namespace) -> int:
         if len(drafters) > 1:
             entry["drafters"] = runs
         if args.compare == "hf":
-            hf_plain, hf_plain_s = _timed(hf_generate, target.model, prompt, n, eos)
+            hf_plain, hf_plain_s = timed(hf_generate, target.model, prompt, n, eos)
             entry["hf_generate"] = {**_entry(hf_plain, hf_plain_s), "identical_to_baseline": hf_plain == base}
             if assistant is not None:
-                hf_tokens, hf_s = _timed(hf_generate, target.model, prompt, n, eos, assistant)
+                hf_tokens, hf_s = timed(hf_generate, target.model, prompt, n, eos, assistant)
                 entry["hf_assisted"] = {**_entry(hf_tokens, hf_s), "identical_to_baseline": hf_tokens == base}
         if llama_runs:
             run = llama_runs[i]

@@ -11,6 +11,8 @@ from typing import Literal
 
 import numpy as np
 
+from specdec.timing import timed
+
 from .asr import StreamingTranscriber, Transcriber
 from .audio import SAMPLE_RATE, AudioError
 from .capacity import Capacity
@@ -141,7 +143,7 @@ class TurnListener:
         if self._scorer is None:
             self._scorer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="smart-turn")
         audio = self.asr.audio(self.vad.last_voiced[1])
-        self._scoring = self._scorer.submit(_timed, self.smart_turn.probability, audio)
+        self._scoring = self._scorer.submit(timed, self.smart_turn.probability, audio)
         if (wake := self.wake) is not None:
             self._scoring.add_done_callback(lambda _: wake())
 
@@ -277,8 +279,3 @@ class TurnListener:
         self.asr.close()
         if self._scorer is not None:
             self._scorer.shutdown(wait=False, cancel_futures=True)
-
-
-def _timed(f: Callable[[np.ndarray], float], audio: np.ndarray) -> tuple[float, float]:
-    t0 = time.perf_counter()
-    return f(audio), time.perf_counter() - t0

@@ -6,8 +6,19 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from typing import ParamSpec, TypeVar
 
 import torch
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def timed(fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> tuple[R, float]:
+    """fn's result and the host seconds it took (work the host waits for; nothing queued on a device)."""
+    t0 = time.perf_counter()
+    result = fn(*args, **kwargs)
+    return result, time.perf_counter() - t0
 
 
 def sync(device: torch.device) -> None:
