@@ -96,6 +96,9 @@ class TurnListener:
     def feed(self, chunk16k: np.ndarray, t_start: float) -> VadEvent | None:
         """Feed audio whose first sample was captured at t_start (perf_counter clock). Returns end_of_turn."""
         self.asr.feed(chunk16k)
+        # A signal in since the last frame (the target's P(end) wakes nothing) sets the wait this frame ends or not:
+        # read after the VAD's decision, it ended the turn a frame later.
+        self.poll()
         was_paused = self.vad.paused
         for ev in self.vad.feed(chunk16k, t_start):
             if ev.kind == "end_of_turn":

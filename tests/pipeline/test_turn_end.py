@@ -523,3 +523,45 @@ def test_a_pass_that_heard_all_but_the_last_tenth_of_a_second_starts_the_early_a
     assert started_before_the_pass == starts[:1]
     assert [hold.words for hold in holds] == (starts if starts else [final])
     assert [hold.state for hold in holds[:-1]] == ["discarded"] * (len(holds) - 1)  # the one on other words
+
+
+@needs_espeak
+def test_the_targets_vote_read_between_two_frames_ends_the_turn_on_the_next_frame():
+    from pipeline.listener import TurnListener
+    from pipeline.vad import FRAME
+
+    audio, ends = spoken("What is the capital of France?", 1.0)
+    asr = ScriptedASR([(ends[0] - 0.1, "What is the capital of France?")])
+    holds: list[Hold] = []
+    woke = threading.Event()
+    listener = TurnListener(
+        asr,
+        TurnEnd("smart"),
+        asr_interval_s=60,
+        start_early=lambda words, tl, hold: holds.append(hold),
+        wake=woke.set,
+        smart_turn=FixedSmartTurn(0.95),
+    )
+    complete_s = TurnEnd().complete_ms / 1000
+    try:
+        ended = None
+        for i in range(0, len(audio), FRAME):
+            start_s = i / SAMPLE_RATE
+            if (
+                listener.vad.paused
+                and holds
+                and start_s + FRAME / SAMPLE_RATE - listener.vad.last_voiced[0] > complete_s
+            ):
+                break  # this frame's end is past the short wait: the target's vote comes in before it
+            assert listener.feed(audio[i : i + FRAME], start_s) is None  # the target has not voted yet
+            if listener.vad.paused:
+                assert wait_until(lambda: listener._scoring is None or listener._scoring.done(), 5)
+                assert wait_until(lambda: listener.asr.covering(listener.vad.last_voiced[1]) is not None, 5)
+                listener.poll()
+        assert holds and listener.vad.hangover_s > complete_s  # the words and the audio are in, the target's not
+        holds[0].end_of_message_probability = 0.8  # the early answer's first forward read it, between two frames
+        ended = listener.feed(audio[i : i + FRAME], i / SAMPLE_RATE)
+    finally:
+        listener.close()
+    assert ended is not None and ended.kind == "end_of_turn"
+    assert listener.vad.hangover_s == complete_s
