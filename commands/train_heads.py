@@ -254,7 +254,8 @@ def main(args: argparse.Namespace) -> int:
         "target_quant": args.target_quant,
         "kind": cfg.kind,
         "corpus": args.corpus,
-        "corpus_shards": args.corpus_shards,
+        # the shards read, not the option: 0 (all of them) would not name the data once the corpus grows
+        "corpus_shards": len(corpus_shards(Path(args.corpus), args.target, args.corpus_shards)) if args.corpus else 0,
         "fuse_layers": list(cfg.fuse_layers),
         "reads_token": cfg.reads_token,
         "ttt_steps": cfg.ttt_steps,

@@ -498,6 +498,7 @@ def test_train_heads_from_the_corpus_with_fused_layers(tiny_engine, tiny_corpus,
     assert cli.main(argv + corpus) == 0
     data = json.loads(report.read_text())
     assert (data["corpus"], data["fuse_layers"], data["ttt_steps"]) == (str(tiny_corpus), [0, 1, 2], 3)
+    assert data["corpus_shards"] == 2  # all of them, by number: the data is named while the corpus grows
     assert len(data["validation_top1_per_head"]) == 3 and len(data["held_out_replay_k4"]["acceptance_by_position"]) == 4
     assert load_heads(out, tiny_engine.target.model, "tiny-random-target").cfg.fuse_layers == TINY_FUSE
     features = sorted((work / "corpus").glob("*/answers_*.pt"))
