@@ -533,18 +533,15 @@ def test_the_targets_vote_read_between_two_frames_ends_the_turn_on_the_next_fram
     audio, ends = spoken("What is the capital of France?", 1.0)
     asr = ScriptedASR([(ends[0] - 0.1, "What is the capital of France?")])
     holds: list[Hold] = []
-    woke = threading.Event()
     listener = TurnListener(
         asr,
         TurnEnd("smart"),
         asr_interval_s=60,
         start_early=lambda words, tl, hold: holds.append(hold),
-        wake=woke.set,
         smart_turn=FixedSmartTurn(0.95),
     )
     complete_s = TurnEnd().complete_ms / 1000
     try:
-        ended = None
         for i in range(0, len(audio), FRAME):
             start_s = i / SAMPLE_RATE
             if (
