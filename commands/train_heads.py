@@ -164,14 +164,18 @@ def corpus_shards(folder: Path, target: str, limit: int = 0) -> list[Path]:
 
 
 def training_data(
-    args: argparse.Namespace, target: LoadedModel, work: Path, cfg: TrainConfig, also: tuple[int, ...] | None = None
+    args: argparse.Namespace,
+    target: LoadedModel,
+    work: Path,
+    cfg: TrainConfig,
+    shards: list[Path],
+    also: tuple[int, ...] | None = None,
 ) -> tuple[list[Sequence], Path]:
-    """The sequences to train on and the checkpoint for them: the corpus's, else the prompts' answers and text.
-    also: --also-cache's layers (None: not asked for)."""
+    """The sequences to train on and the checkpoint for them: the corpus's `shards` (corpus_shards), else the
+    prompts' answers and text. also: --also-cache's layers (None: not asked for)."""
     kind = cfg.kind + ("-token" if cfg.reads_token else "")  # names the checkpoint: no run resumes another's
     fuse = cfg.fuse_layers
     if args.corpus:
-        shards = corpus_shards(Path(args.corpus), args.target, args.corpus_shards)
         others = () if also is None else (also,)
         with tqdm(total=len(shards), desc="reading the corpus", unit="shard", file=sys.stderr) as bar:
             paths = corpus_dataset(target, args.target_quant, shards, work, fuse, progress=advance(bar), also=others)
@@ -237,7 +241,8 @@ def main(args: argparse.Namespace) -> int:
     if also:
         heads_config("eagle", target.model.config, target.name, also)  # the layers --also-cache keeps
     compute.release_workers()  # the corpus's prefill runs on the compute thread: this thread's pool must not slow it
-    seqs, checkpoint = training_data(args, target, work, cfg, also)
+    shards = corpus_shards(Path(args.corpus), args.target, args.corpus_shards) if args.corpus else []
+    seqs, checkpoint = training_data(args, target, work, cfg, shards, also)
     compute.run(compute.release_workers)  # and training runs here: the compute thread's pool goes in turn
     data_s = time.perf_counter() - started
     with tqdm(total=1, desc=f"training {cfg.kind}", unit="step", file=sys.stderr) as bar:
@@ -254,8 +259,7 @@ def main(args: argparse.Namespace) -> int:
         "target_quant": args.target_quant,
         "kind": cfg.kind,
         "corpus": args.corpus,
-        # the shards read, not the option: 0 (all of them) would not name the data once the corpus grows
-        "corpus_shards": len(corpus_shards(Path(args.corpus), args.target, args.corpus_shards)) if args.corpus else 0,
+        "corpus_shards": len(shards),  # the shards read, not the option: 0 (all) names no data as the corpus grows
         "fuse_layers": list(cfg.fuse_layers),
         "reads_token": cfg.reads_token,
         "ttt_steps": cfg.ttt_steps,
