@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -219,6 +220,15 @@ def test_corpus_features_are_a_direct_forward_s(tiny_engine, tiny_corpus):
         else:
             assert s.labels == s.tokens[1 : s.answer_start] + out.logits[0, s.answer_start - 1 :].argmax(-1).tolist()
     assert any(s.labels[s.answer_start - 1 :] != s.tokens[s.answer_start :] for s in seqs if not s.is_answer)
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads Linux's list of mapped files")
+def test_features_are_read_mapped_from_their_shards_not_copied_into_memory(tiny_engine, tiny_corpus, tmp_path):
+    shards = sorted((tiny_corpus / "answers").glob("answers_*.jsonl.gz"))
+    paths = corpus_dataset(tiny_engine.cpu_target, "none", shards, tmp_path, TINY_FUSE)
+    seqs = read_sequences(paths)
+    mapped = Path("/proc/self/maps").read_text()
+    assert seqs and all(str(p.resolve()) in mapped for p in paths)
 
 
 def test_corpus_features_are_cached_per_shard_and_recipe(tiny_engine, tiny_corpus, tmp_path):
