@@ -63,7 +63,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--width", type=int, default=0, help="sequences decoded together (0: the best in widths.json)")
     parser.add_argument("--widths", default="1,8,16,32,48,64", help="widths: the batch widths to time")
     parser.add_argument("--steps", type=positive_int, default=12, help="widths: timed forwards per width")
-    parser.add_argument("--writes", type=positive_int, default=1600, help="requests: prompts asking for requests")
+    parser.add_argument(
+        "--writes",
+        type=positive_int,
+        default=2560,
+        help="requests: prompts asking for requests (default: what assets/corpus was made with; fewer rewrite "
+        "requests.jsonl from fewer written shards)",
+    )
     parser.add_argument("--per-write", type=positive_int, default=10, help="requests: requests asked for per prompt")
     parser.add_argument(
         "--exclude",
