@@ -61,8 +61,8 @@ def load_shards(work: Path) -> list[Sequence]:
 
 
 def read_sequences(paths: list[Path]) -> list[Sequence]:
-    """Features memory-mapped from the shards: file pages the kernel can drop, not resident memory (EAGLE-3's fused
-    features of 46 corpus shards, 10.6 GB, were killed by the OOM killer when read into memory)."""
+    """Features memory-mapped from the shards: file pages the kernel can drop, not resident memory (a run that read
+    EAGLE-3's fused features of 46 corpus shards, 10.6 GB, into memory was ended by the OOM killer)."""
     return [Sequence.from_row(row) for path in paths for row in torch.load(path, weights_only=True, mmap=True)]
 
 
