@@ -130,7 +130,11 @@ def replay(runs: list[dict]) -> dict:
     base = TurnEnd(**runs[0]["meta"]["turn_end"])
     turns = [t for run in runs for t in run["turns"]]
     grid = itertools.product(
-        (0.3, 0.5, 0.7, 0.9), (0.05, 0.1, 0.2, 0.3, 0.5), (120, 160, 200), (500, 700, 1000), (False, True)
+        (0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9),
+        (0.05, 0.1, 0.2, 0.3, 0.5),
+        (120, 160, 200),
+        (500, 700, 1000),
+        (False, True),
     )
     rows = []
     for audio, words, complete, unsure, stands_in in grid:

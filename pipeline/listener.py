@@ -11,8 +11,6 @@ from typing import Literal
 
 import numpy as np
 
-from specdec.timing import timed
-
 from .asr import StreamingTranscriber, Transcriber
 from .audio import SAMPLE_RATE, AudioError
 from .capacity import Capacity
@@ -138,15 +136,15 @@ class TurnListener:
         self._apply()
 
     def _score_audio(self) -> None:
-        """Smart Turn on the turn's audio up to the pause's last voiced sample, on its own thread beside the pause's
-        ASR pass (one thread each): in series it delayed the words, and so the early answer, by its whole cost.
-        poll() reads the result; until then the pause waits the long wait."""
+        """Smart Turn on the turn's audio up to the pause's last voiced sample, beside the pause's ASR pass (one core
+        each): in series it delayed the words, and so the early answer, by its whole cost. poll() reads the result;
+        until then the pause waits the long wait."""
         if self.smart_turn is None or self.turn_end.mode != "smart":
             return
         if self._scorer is None:
             self._scorer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="smart-turn")
         audio = self.asr.audio(self.vad.last_voiced[1])
-        self._scoring = self._scorer.submit(timed, self.smart_turn.probability, audio)
+        self._scoring = self._scorer.submit(self.smart_turn.score, audio)
         if (wake := self.wake) is not None:
             self._scoring.add_done_callback(lambda _: wake())
 

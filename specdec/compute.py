@@ -86,17 +86,30 @@ def release_workers() -> None:
     """Let the calling thread's OpenMP workers go (omp_pause_resource_all), so that they no longer count against the
     compute thread's; a later parallel region on this thread starts them again. Call it where a thread is done
     loading models. A no-op where torch's OpenMP runtime is not found."""
-    pause = _omp_pause()
+    pause = _omp("omp_pause_resource_all")
     if pause is not None:
         pause(1)  # omp_pause_soft
 
 
-def _omp_pause() -> Callable[[int], int] | None:
+def single_threaded() -> bool:
+    """Run the calling thread's torch work on itself alone, with no pool of OpenMP workers: for small models beside
+    the compute thread (Smart Turn). The runtime's own omp_set_num_threads(1) sets this thread's count only;
+    torch.set_num_threads would also change the count every thread started later takes. False where torch's
+    OpenMP runtime is not found (the caller must then run its work on the compute thread)."""
+    torch.get_num_threads()  # torch's first call on a thread sets the thread's count: before ours, not after
+    set_threads = _omp("omp_set_num_threads")
+    if set_threads is None:
+        return False
+    set_threads(1)
+    return torch.get_num_threads() == 1
+
+
+def _omp(name: str) -> Callable[..., int] | None:
     libs = sorted((Path(torch.__file__).parent / "lib").glob("lib*omp*.so*"))
     for lib in libs:  # the runtime torch loaded: libgomp on Linux x86 wheels, libomp elsewhere
         try:
             handle = ctypes.CDLL(os.fspath(lib), mode=os.RTLD_NOLOAD if hasattr(os, "RTLD_NOLOAD") else 0)
-            return handle.omp_pause_resource_all
+            return getattr(handle, name)
         except (OSError, AttributeError):
             continue
     return None

@@ -87,7 +87,7 @@ DEFINITIONS: dict[str, str] = {
     "without the punctuation Whisper closes them with), read from the early answer's first forward, which feeds "
     "that row anyway",
     "end_of_turn_probability": "Smart Turn v3.2's probability that the speaker has finished, from the last ≤ 8 s of "
-    "the turn's audio up to a pause (prosody as well as words; pipecat's model, run here with onnxruntime)",
+    "the turn's audio up to a pause (prosody as well as words; pipecat's model, its weights run here in torch)",
     "stall_ms": "silence inside an answer (server side): with its audio played at real speed from the first sample "
     "out of the TTS, the total time the listener waits between the end of the samples out so far and the next ones; "
     "0 when the speech never runs dry",

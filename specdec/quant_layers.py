@@ -191,12 +191,19 @@ class FbgemmW8A8Linear(RowW8A8LinearBase):
         return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
 
-def cpu_has_amx() -> bool:
-    """Whether this CPU has AMX int8 tiles (Linux's CPU flags; elsewhere assumed not)."""
+def cpu_has(flag: str) -> bool:
+    """Whether this CPU has a feature, by its name in Linux's CPU flags (amx_int8, avx512_bf16); elsewhere assumed
+    not."""
     try:
-        return " amx_int8" in Path("/proc/cpuinfo").read_text()
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
         return False
+    return any(flag in line.split() for line in lines if line.startswith("flags"))
+
+
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX int8 tiles."""
+    return cpu_has("amx_int8")
 
 
 def w8a8_layer() -> type[RowW8A8LinearBase]:

@@ -177,9 +177,9 @@ class FixedSmartTurn:
     def __init__(self, p: float, cost_s: float = 0.0) -> None:
         self.p, self.cost_s = p, cost_s
 
-    def probability(self, audio16k):
+    def score(self, audio16k):
         time.sleep(self.cost_s)
-        return self.p
+        return self.p, self.cost_s
 
 
 def fragment_turn(mode, audio_p, target_p):
@@ -243,10 +243,10 @@ class SlowOnTheFragment:
     def __init__(self, fragment_end_s: float) -> None:
         self.fragment_end_s = fragment_end_s
 
-    def probability(self, audio16k):
+    def score(self, audio16k):
         fragment = len(audio16k) / SAMPLE_RATE < self.fragment_end_s + 0.2
         time.sleep(1.0 if fragment else 0.0)
-        return 0.9 if fragment else 0.05
+        return (0.9, 1.0) if fragment else (0.05, 0.0)
 
 
 @needs_espeak
