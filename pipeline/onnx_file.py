@@ -1,7 +1,7 @@
 """What an ONNX file holds, read without the onnx package: its constant tensors and its nodes.
 
 Smart Turn's weights ship only as an ONNX file (inside the pipecat-ai wheel); this reads them so that torch can run
-the model on the engine's int8 kernels. ONNX is protobuf; only the few fields read here are decoded (onnx.proto3:
+the model (pipeline/smart_turn.py). ONNX is protobuf; only the few fields read here are decoded (onnx.proto3:
 ModelProto.graph = 7; GraphProto.node = 1, .initializer = 5; NodeProto.input = 1, .output = 2, .op_type = 4,
 .attribute = 5; AttributeProto.name = 1, .i = 3; TensorProto.dims = 1, .data_type = 2, .float_data = 4,
 .int32_data = 5, .int64_data = 7, .name = 8, .raw_data = 9).

@@ -98,13 +98,13 @@ class SmartTurn:
 
 
 class SmartTurnNet:
-    """Smart Turn v3.2 in torch, from the ONNX file's graph, in bf16 where the CPU multiplies bf16 in hardware (AMX or
-    AVX-512 BF16: ~4 ms a layer on one core of an Intel Xeon with AMX, float32 ~16 ms), else in float32. Its int8
-    weights are dequantized; the file's fixed activation scales (onnxruntime rounds every activation, the attention's
-    probabilities included, to 8 bits) are not applied, so it computes the float model those weights come from."""
+    """Smart Turn v3.2 in torch, from the ONNX file's graph, in dtype (SmartTurn picks bf16_or_float32: a layer in bf16
+    ~4 ms on one core of an Intel Xeon with AMX, in float32 ~16 ms). Its int8 weights are dequantized; the file's
+    fixed activation scales (onnxruntime rounds every activation, the attention's probabilities included, to 8 bits)
+    are not applied, so it computes the float model those weights come from."""
 
-    def __init__(self, graph: OnnxGraph, dtype: torch.dtype | None = None) -> None:
-        self.dtype = dtype or bf16_or_float32()
+    def __init__(self, graph: OnnxGraph, dtype: torch.dtype) -> None:
+        self.dtype = dtype
         weights = _dequantized_weights(graph)
         names = _names(graph)
 
