@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -75,7 +75,6 @@ class TurnListener:
         self.pauses: list[dict] = []  # each pause of the turn: its signals, the wait chosen and why (Timeline.pauses)
         self._pause_costs: dict[str, float] = {}
         self._scoring: Future[tuple[float, float]] | None = None  # Smart Turn on the current pause: (P, cost in s)
-        self._scorer: ThreadPoolExecutor | None = None  # its thread, made at the first pause
         self.vad = EndOfTurnDetector(hangover_ms=self._wait.ms)
         # A whisper call costs ~0.15 s here (10 s window). Partials every second leave the ASR thread idle most of
         # the time, so the call started when the speaker pauses can begin at once.
@@ -141,10 +140,7 @@ class TurnListener:
         until then the pause waits the long wait."""
         if self.smart_turn is None or self.turn_end.mode != "smart":
             return
-        if self._scorer is None:
-            self._scorer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="smart-turn")
-        audio = self.asr.audio(self.vad.last_voiced[1])
-        self._scoring = self._scorer.submit(self.smart_turn.score, audio)
+        self._scoring = self.smart_turn.submit(self.asr.audio(self.vad.last_voiced[1]))
         if (wake := self.wake) is not None:
             self._scoring.add_done_callback(lambda _: wake())
 
@@ -278,5 +274,5 @@ class TurnListener:
         """Abandon the turn: the ASR stops and an early answer still held is discarded."""
         self._discard_early()
         self.asr.close()
-        if self._scorer is not None:
-            self._scorer.shutdown(wait=False, cancel_futures=True)
+        if self._scoring is not None:
+            self._scoring.cancel()  # not started yet: never run

@@ -64,12 +64,7 @@ class SmartTurn:
     def __init__(self, path: str | Path | None = None) -> None:
         self.path = Path(path) if path is not None else model_path()
         graph = read_graph(self.path)
-        from faster_whisper.feature_extractor import FeatureExtractor  # type: ignore[import-untyped]  # on first use
-
-        # Whisper's log-mel features in numpy, (80, 800): torch's FFT and float32 matmul run on MKL, whose threads
-        # ignore this thread's one-core setting and started a pool beside the compute thread's in the agent (every
-        # LLM forward then ~1.55x slower). Equal to transformers' WhisperFeatureExtractor(chunk_length=8) within 2e-5.
-        self.features = FeatureExtractor(feature_size=N_MELS, chunk_length=int(WINDOW_S))
+        self.features = LogMel()
         # Its own thread, one core, beside the pause's ASR pass and the compute thread: on the compute thread its
         # ~45 ms a pause held up the prefill of the user's words and the early answer (docs/results.md). Built there
         # too: a parallel region on the loading thread would start an OpenMP pool beside the compute thread's.
@@ -82,19 +77,36 @@ class SmartTurn:
 
     def probability(self, audio16k: np.ndarray) -> float:
         """P(finished) in [0, 1] for the turn's audio up to the pause (1-D float32 at 16 kHz)."""
-        return self.score(audio16k)[0]
+        return self.submit(audio16k).result()[0]
 
-    def score(self, audio16k: np.ndarray) -> tuple[float, float]:
-        """(P(finished), its cost in seconds): the model's own work, not the wait for its thread."""
-        audio = window(audio16k)
-        audio = (audio - audio.mean()) / np.sqrt(audio.var() + 1e-7)  # the waveform normalized, as in training
+    def submit(self, audio16k: np.ndarray) -> Future[tuple[float, float]]:
+        """(P(finished), its cost in seconds), computed on Smart Turn's thread: the cost is the model's own work, not
+        the wait for its thread."""
 
         def run() -> tuple[float, float]:
             start = time.perf_counter()
-            features = torch.from_numpy(self.features(audio, padding=0).astype(np.float32))
+            features = torch.from_numpy(self.features(audio16k))
             return self.net(features), time.perf_counter() - start
 
-        return self._run(run).result()
+        return self._run(run)
+
+
+class LogMel:
+    """Whisper's log-mel features (80, 800) of a turn's 8 s window, the waveform normalized as in training.
+
+    faster-whisper's extractor, in numpy: torch's FFT and float32 matmul run on MKL, whose threads ignore Smart Turn's
+    one-core setting and started a pool beside the compute thread's in the agent (every LLM forward then ~1.55x
+    slower). Equal to transformers' WhisperFeatureExtractor(chunk_length=8), which the model was trained on."""
+
+    def __init__(self) -> None:
+        from faster_whisper.feature_extractor import FeatureExtractor  # type: ignore[import-untyped]  # on first use
+
+        self.extractor = FeatureExtractor(feature_size=N_MELS, chunk_length=int(WINDOW_S))
+
+    def __call__(self, audio16k: np.ndarray) -> np.ndarray:
+        audio = window(audio16k)
+        audio = (audio - audio.mean()) / np.sqrt(audio.var() + 1e-7)
+        return self.extractor(audio, padding=0).astype(np.float32)
 
 
 class SmartTurnNet:
@@ -290,7 +302,7 @@ def load_smart_turn(path: str | Path | None = None) -> tuple[SmartTurn | None, s
         return None, f"end of turn: Smart Turn not loaded (no model file at {file}): {fallback}"
     try:
         model = SmartTurn(file)
-    except Exception as e:  # onnxruntime raises its own error types for a corrupt or foreign file
+    except Exception as e:  # the reader, a misnamed weight or torch: any failure falls back
         reason = f"{file} fails to load: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
         return None, f"end of turn: Smart Turn not loaded ({reason}): {fallback}"
     return model, f"end of turn: Smart Turn v3.2 ({source}) loaded"

@@ -15,7 +15,7 @@ import torch
 
 from pipeline import smart_turn
 from pipeline.onnx_file import read_graph
-from pipeline.smart_turn import WINDOW_S, SmartTurn, SmartTurnNet, load_smart_turn, window
+from pipeline.smart_turn import WINDOW_S, LogMel, SmartTurn, SmartTurnNet, load_smart_turn, window
 from specdec import compute
 from tests.support.engine import ROOT
 
@@ -143,25 +143,26 @@ def test_a_phrase_spoken_on_into_a_pause_sounds_unfinished(model: SmartTurn) -> 
     assert sum(b < w for b, w in zip(before, whole)) >= 20
 
 
-def test_features_equal_transformers_whisper_features(model: SmartTurn) -> None:
-    """The model was trained on transformers' WhisperFeatureExtractor(chunk_length=8); ours is numpy-only (see
-    SmartTurn.__init__ for why), and must give the same features."""
+@pytest.mark.parametrize("samples", [SR // 4, 2 * SR, int(WINDOW_S + 1) * SR])
+def test_features_equal_transformers_whisper_features(samples: int) -> None:
+    """The model was trained on transformers' WhisperFeatureExtractor(chunk_length=8) of the normalized window; ours
+    is numpy-only (see LogMel for why), and must give the same features for turns shorter and longer than the
+    window."""
     from transformers import WhisperFeatureExtractor
 
-    audio = window(read(HELDOUT / "sky.wav"))
+    speech = read(HELDOUT / "sky.wav")
+    speech = speech[np.flatnonzero(np.abs(speech) > 0.01)[0] :]
+    audio = np.resize(speech, samples)  # repeated to length: voiced from the first sample to the last
     want = WhisperFeatureExtractor(chunk_length=int(WINDOW_S))(
-        audio, sampling_rate=SR, return_tensors="np", do_normalize=True
+        window(audio), sampling_rate=SR, return_tensors="np", do_normalize=True
     ).input_features[0]
-    got = model.features(normalized(audio), padding=0)
-    assert got.shape == want.shape == (80, 800) and np.abs(got - want).max() < 1e-4
+    got = LogMel()(audio)
+    assert got.shape == want.shape == (80, 800) and got.dtype == np.float32
+    assert np.abs(got - want).max() < 1e-4
 
 
-def normalized(audio: np.ndarray) -> np.ndarray:
-    return (audio - audio.mean()) / np.sqrt(audio.var() + 1e-7)
-
-
-def features(model: SmartTurn, audio: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(model.features(normalized(window(audio)), padding=0).astype(np.float32))
+def features(audio: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(LogMel()(audio))
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +197,7 @@ def test_the_encoder_is_whispers_on_the_files_weights(model: SmartTurn, float32_
         else:
             state[name] = smart_turn._float(graph, f"inner.encoder.{name}").reshape(param.shape)
     encoder.load_state_dict(state)
-    mel = features(model, read(HELDOUT / "sky.wav"))
+    mel = features(read(HELDOUT / "sky.wav"))
     with torch.inference_mode():
         want = encoder(mel[None]).last_hidden_state[0]
         got = net.encode(mel)
@@ -207,7 +208,7 @@ def test_the_encoder_is_whispers_on_the_files_weights(model: SmartTurn, float32_
 def test_bf16_gives_the_float32_probability(model: SmartTurn, float32_net: SmartTurnNet) -> None:
     """Where the CPU multiplies bf16 the model runs in it; its P(finished) stays the float32 model's."""
     for f in sorted(HELDOUT.glob("*.wav"))[:4]:
-        assert model.probability(read(f)) == pytest.approx(float32_net(features(model, read(f))), abs=0.05), f.stem
+        assert model.probability(read(f)) == pytest.approx(float32_net(features(read(f))), abs=0.05), f.stem
 
 
 def test_the_onnx_reader_finds_every_layer(model: SmartTurn) -> None:
@@ -240,7 +241,7 @@ def test_smart_turn_runs_on_one_core_of_its_own_and_starts_no_openmp_pool(model:
 
     def load_and_score() -> None:
         counts["before"] = len(list(Path("/proc/self/task").iterdir()))
-        SmartTurn(model.path).score(read(HELDOUT / "sky.wav"))
+        SmartTurn(model.path).probability(read(HELDOUT / "sky.wav"))
         counts["after"] = len(list(Path("/proc/self/task").iterdir()))
 
     loader = threading.Thread(target=load_and_score)

@@ -4,6 +4,7 @@ import dataclasses
 import math
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -171,10 +172,21 @@ def agent_with(asr, answer="Ottawa is the capital of Canada.", end_of_message_pr
     return VoiceAgent(AgentConfig(**config), SharedProvider(llm), asr, FakeTTS()), llm
 
 
-class FixedSmartTurn:
-    """Smart Turn's stand-in: the same P(finished) for any audio, after cost_s."""
+class FakeSmartTurn:
+    """Smart Turn's stand-in: score(audio) -> (P(finished), cost in s), on a thread of its own as the model's."""
+
+    def __init__(self) -> None:
+        self.thread = ThreadPoolExecutor(max_workers=1)
+
+    def submit(self, audio16k):
+        return self.thread.submit(self.score, audio16k)
+
+
+class FixedSmartTurn(FakeSmartTurn):
+    """The same P(finished) for any audio, after cost_s."""
 
     def __init__(self, p: float, cost_s: float = 0.0) -> None:
+        super().__init__()
         self.p, self.cost_s = p, cost_s
 
     def score(self, audio16k):
@@ -236,11 +248,12 @@ def test_smart_turn_scores_the_pause_beside_its_asr_pass_so_the_words_do_not_wai
     assert result.timeline.early_start is not None and result.transcript == "What is the capital of France?"
 
 
-class SlowOnTheFragment:
-    """Smart Turn's stand-in: audio up to the end of the fragment sounds finished (0.9) but takes 1 s to score, longer
-    than the pause after it; the whole question sounds unfinished (0.05) and is scored at once."""
+class SlowOnTheFragment(FakeSmartTurn):
+    """Audio up to the end of the fragment sounds finished (0.9) but takes 1 s to score, longer than the pause after
+    it; the whole question sounds unfinished (0.05) and is scored at once."""
 
     def __init__(self, fragment_end_s: float) -> None:
+        super().__init__()
         self.fragment_end_s = fragment_end_s
 
     def score(self, audio16k):
