@@ -14,7 +14,6 @@ from __future__ import annotations
 import importlib.metadata as md
 import re
 import sys
-import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ import torch.nn.functional as F
 
 from specdec import compute
 from specdec.quant_layers import cpu_has
+from specdec.timing import timed
 
 from .onnx_file import Node, OnnxGraph, read_graph
 
@@ -82,13 +82,10 @@ class SmartTurn:
     def submit(self, audio16k: np.ndarray) -> Future[tuple[float, float]]:
         """(P(finished), its cost in seconds), computed on Smart Turn's thread: the cost is the model's own work, not
         the wait for its thread."""
+        return self._run(lambda: timed(self._probability_here, audio16k))
 
-        def run() -> tuple[float, float]:
-            start = time.perf_counter()
-            features = torch.from_numpy(self.features(audio16k))
-            return self.net(features), time.perf_counter() - start
-
-        return self._run(run)
+    def _probability_here(self, audio16k: np.ndarray) -> float:
+        return self.net(torch.from_numpy(self.features(audio16k)))
 
 
 class LogMel:
