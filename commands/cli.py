@@ -6,6 +6,8 @@ import argparse
 import importlib
 import sys
 
+from specdec import compute
+
 # subcommand -> (module with add_arguments(parser) and main(args) -> int, help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("commands.generate", "answer one prompt with (or without) speculation"),
@@ -41,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    compute.numpy_blas_on_one_thread()
     try:
         return int(importlib.import_module(args._module).main(args) or 0)
     except KeyboardInterrupt:

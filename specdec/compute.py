@@ -104,6 +104,16 @@ def single_threaded() -> bool:
     return torch.get_num_threads() == 1
 
 
+def numpy_blas_on_one_thread() -> None:
+    """numpy's and scipy's BLAS (OpenBLAS), process-wide, on the calling thread alone. After each call OpenBLAS's
+    helper thread spins on a core for up to ~0.1 s waiting for the next one: a log-mel's filter matmul (Smart Turn,
+    every ASR pass) took a core from the compute thread's pool and from Smart Turn that long (docs/results.md).
+    Their matrices are small; torch's BLAS (MKL, inside libtorch) is not this library and keeps its threads."""
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(limits=1, user_api="blas")
+
+
 def _omp(name: str) -> Callable[..., int] | None:
     libs = sorted((Path(torch.__file__).parent / "lib").glob("lib*omp*.so*"))
     for lib in libs:  # the runtime torch loaded: libgomp on Linux x86 wheels, libomp elsewhere

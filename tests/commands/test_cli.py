@@ -2,6 +2,8 @@
 
 import json
 import math
+import subprocess
+import sys
 
 from tests.support.cli import specvoice
 from tests.support.speech import needs_espeak
@@ -212,3 +214,17 @@ def test_bench_asr_reports_word_error_rate(tmp_path):
     (row,) = data["summary"]
     assert row["clips"] == 1 and 0 <= row["wer"] <= 1
     assert "wer" in " ".join(data["definitions"]).lower()
+
+
+def test_every_job_runs_numpy_s_blas_on_one_thread():
+    """OpenBLAS's helper thread spins on a core after each call (specdec/compute.py): the console script stops it."""
+    code = (
+        "import json\n"
+        "from threadpoolctl import threadpool_info\n"
+        "from commands import cli\n"
+        "cli.main(['vllm-serve', '--draft', 'ngram'])\n"
+        "print(json.dumps([i['num_threads'] for i in threadpool_info() if i['user_api'] == 'blas']))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120).stdout
+    blas_threads = json.loads(out.splitlines()[-1])
+    assert blas_threads and set(blas_threads) == {1}  # numpy's OpenBLAS at least
