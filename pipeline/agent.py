@@ -160,8 +160,8 @@ class VoiceAgent:
         """A listener for one turn of conv: with start_early (and config.preemptive) it starts answers at pauses;
         with conv (and config.prefill_while_speaking, and a stage that keeps a cache) it prefills the user's words as
         they come. turn_end: the configured one unless given; capacity: what its partial ASR passes share (none for
-        one user); wake: called on the ASR thread after each pass, for the caller to poll() the listener from its
-        own."""
+        one user); wake: called when a pause's signal comes in (an ASR pass, Smart Turn, the target's vote), on its
+        thread, for the caller to poll() the listener from its own (poll() may end the turn)."""
         c = self.config
         prefill = None
         if conv is not None and c.prefill_while_speaking and conv.llm.keeps_cache:
@@ -204,7 +204,7 @@ class VoiceAgent:
             thread.start()
             early.append((hold, thread, box))
 
-        woke = threading.Event()  # an ASR pass ended: the pause's words may be in before the next frame
+        woke = threading.Event()  # a signal of the pause (words, Smart Turn, the vote) came in before the next frame
         listener = self.listen(conv, start_early, wake=woke.set)
         t0 = time.perf_counter()
         end: VadEvent | None = None
@@ -217,11 +217,12 @@ class VoiceAgent:
                     break  # with no end of turn, finish() raises AudioError
                 t_chunk = t0 + i / SAMPLE_RATE
                 # The chunk is complete only once its last sample was "spoken".
-                while (delay := t_chunk + FRAME / SAMPLE_RATE - time.perf_counter()) > 0:
+                while end is None and (delay := t_chunk + FRAME / SAMPLE_RATE - time.perf_counter()) > 0:
                     if woke.wait(delay):
                         woke.clear()
-                        listener.poll()
-                end = listener.feed(padded[i : i + FRAME], t_chunk)
+                        end = listener.poll()
+                if end is None:
+                    end = listener.feed(padded[i : i + FRAME], t_chunk)
                 if end is not None:
                     break
             heard = listener.finish(end)

@@ -78,8 +78,8 @@ class TurnListener:
         self.vad = EndOfTurnDetector(hangover_ms=self._wait.ms)
         # A whisper call costs ~0.15 s here (10 s window). Partials every second leave the ASR thread idle most of
         # the time, so the call started when the speaker pauses can begin at once.
-        # wake: called after each ASR pass and Smart Turn call, on their threads, so the owner can poll() between
-        # audio frames.
+        # wake: called after each ASR pass, Smart Turn call and the target's vote, on their threads, so the owner can
+        # poll() between audio frames.
         self.wake = wake
         self.asr = StreamingTranscriber(transcriber, interval_s=asr_interval_s, capacity=capacity, on_pass=wake)
         self.start_early, self.prefill, self.notify = start_early, prefill, notify
@@ -93,9 +93,9 @@ class TurnListener:
     def feed(self, chunk16k: np.ndarray, t_start: float) -> VadEvent | None:
         """Feed audio whose first sample was captured at t_start (perf_counter clock). Returns end_of_turn."""
         self.asr.feed(chunk16k)
-        # A signal in since the last frame (the target's P(end) wakes nothing) sets the wait this frame ends or not:
-        # read after the VAD's decision, it ended the turn a frame later.
-        self.poll()
+        # A signal in since the last frame sets the wait this frame ends or not: read after the VAD's decision, it
+        # ended the turn a frame later.
+        self._read_signals()
         was_paused = self.vad.paused
         for ev in self.vad.feed(chunk16k, t_start):
             if ev.kind == "end_of_turn":
@@ -115,7 +115,7 @@ class TurnListener:
             self._paused_at = self.vad.last_voiced[0]
             self.asr.speech_paused(self.vad.last_voiced[1])
             self._score_audio()
-        self.poll()
+        self._read_signals()
         return None
 
     def _decide(self) -> Wait:
@@ -168,12 +168,17 @@ class TurnListener:
             record["asr_pass_ms"] = self.asr.last_pass_s * 1000
         self.pauses.append(record)
 
-    def poll(self) -> None:
+    def poll(self) -> VadEvent | None:
+        """For an owner given wake, as soon as it is called: read the pause's signals (below), and end the turn now
+        (the event) if the wait they set is already covered by the silence heard, not at the next frame (32 ms)."""
+        self._read_signals()
+        return self.vad.end_if_waited(time.perf_counter())
+
+    def _read_signals(self) -> None:
         """During a pause, once the words up to it are transcribed: set the silence that ends the turn and start the
-        early answer. feed() polls each frame; an owner given wake polls as soon as a pass ends (up to a frame,
-        32 ms, sooner). A pass that heard all but the last NEAR_S of the speech starts the answer too, without
-        waiting for the pass of all of it; if that one hears other words, the answer is discarded and started again
-        on them."""
+        early answer. feed() reads them each frame, poll() when one comes in. A pass that heard all but the last
+        NEAR_S of the speech starts the answer too, without waiting for the pass of all of it; if that one hears
+        other words, the answer is discarded and started again on them."""
         if not self.vad.paused:
             return
         self._read_audio_probability()
@@ -214,7 +219,7 @@ class TurnListener:
     def _start_early(self, words: str) -> None:
         if self.start_early is None or not words.strip() or self._early is not None:
             return
-        timeline, hold = Timeline(), Hold(words.strip())
+        timeline, hold = Timeline(), Hold(words.strip(), on_vote=self.wake)
         timeline.mark("speech_end", self.vad.last_voiced[0])
         timeline.early_start = time.perf_counter()
         self._early = (hold, timeline)

@@ -153,9 +153,9 @@ class MicInput:
         try:
             self.released.wait()
             while not self.closed and (item := self.queue.get()) is not None:
-                if item[0] == "poll":  # an ASR pass ended (one a second at most): outside the queue's limits
-                    if self.listener is not None:
-                        self.listener.poll()
+                if item[0] == "poll":  # a signal of a pause came in (a few a pause): outside the queue's limits
+                    if self.listener is not None and (end := self.listener.poll()) is not None:
+                        self._end_turn(end)
                     continue
                 self._taken(item)
                 if item[0] == "audio":
@@ -210,8 +210,8 @@ class MicInput:
         self.start_early(words, timeline, hold)
 
     def _wake(self) -> None:
-        """On the ASR or Smart Turn thread: a signal of a pause may be in, and its decision need not wait for the next
-        frame."""
+        """On the ASR's, Smart Turn's or the answer's thread: a signal of a pause may be in, and its decision need not
+        wait for the next frame."""
         self.queue.put_nowait(("poll",))
 
     def _audio(self, chunk: np.ndarray, t_start: float) -> None:

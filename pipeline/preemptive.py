@@ -31,15 +31,23 @@ class Hold:
     """What an early answer sends waits here until the turn is confirmed (then it goes out, in order) or discarded
     (then it never does, and the answer's cancel events are set)."""
 
-    def __init__(self, words: str) -> None:
+    def __init__(self, words: str, on_vote: Callable[[], None] | None = None) -> None:
         self.words = words  # the transcript the answer was started on
         self.state: HoldState = "held"
         # the answer's first forward reads it for the end-of-turn decision (metrics.DEFINITIONS); not held back
         self.end_of_message_probability: float | None = None
+        self._on_vote = on_vote
         self._cond = threading.Condition()
         self._queued: list[Callable[[], None]] = []
         self._cancels: list[threading.Event] = []
         self._watchers: list[Callable[[], None]] = []
+
+    def vote(self, end_of_message_probability: float) -> None:
+        """The answer's first forward read the target's P(end of message): on_vote, so that the turn's listener reads
+        it now, not at the next audio frame."""
+        self.end_of_message_probability = end_of_message_probability
+        if self._on_vote is not None:
+            self._on_vote()
 
     def post(self, action: Callable[[], None]) -> None:
         """Run action now if the turn is confirmed, once it is if still held, never if discarded."""

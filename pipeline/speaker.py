@@ -54,7 +54,7 @@ class SpokenAnswer:
 
     def _read(self, delta: LLMDelta) -> None:
         if self.hold is not None and delta.end_of_message_probability is not None:
-            self.hold.end_of_message_probability = delta.end_of_message_probability
+            self.hold.vote(delta.end_of_message_probability)
         self.timeline.mark("llm_first_token", delta.t)
         self.text.append(delta.text)
         self.emit(AnswerStep(delta, self.stats.tokens, self.stats.tokens_per_s))

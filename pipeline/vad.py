@@ -93,6 +93,13 @@ class EndOfTurnDetector:
         self._next_sample += n_frames * FRAME
         return events
 
+    def end_if_waited(self, now: float) -> VadEvent | None:
+        """Between frames: end the turn, decided at now (the stream's clock), if the silence heard so far already
+        covers the hang-over, which a signal that came in since the last frame shortened."""
+        if self.paused and self._t - self._last_voiced[0] >= self.hangover_s - 1e-9:
+            return self._end_turn(max(now, self._t))
+        return None
+
     def finish(self) -> list[VadEvent]:
         """The stream ended (file end, push-to-talk released): close a turn still in progress."""
         return [self._end_turn(self._t)] if self._in_speech else []

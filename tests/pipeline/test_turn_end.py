@@ -575,3 +575,43 @@ def test_the_targets_vote_read_between_two_frames_ends_the_turn_on_the_next_fram
         listener.close()
     assert ended is not None and ended.kind == "end_of_turn"
     assert listener.vad.hangover_s == complete_s
+
+
+@needs_espeak
+def test_the_targets_vote_wakes_the_listener_and_ends_the_turn_between_two_frames():
+    from pipeline.listener import TurnListener
+    from pipeline.vad import FRAME
+
+    audio, ends = spoken("What is the capital of France?", 1.0)
+    asr = ScriptedASR([(ends[0] - 0.1, "What is the capital of France?")])
+    holds: list[Hold] = []
+    woke = threading.Event()
+    listener = TurnListener(
+        asr,
+        TurnEnd("smart"),
+        asr_interval_s=60,
+        start_early=lambda words, tl, hold: holds.append(hold),
+        smart_turn=FixedSmartTurn(0.95),
+        wake=woke.set,
+    )
+    complete_s = TurnEnd().complete_ms / 1000
+    t0 = time.perf_counter() - len(audio) / SAMPLE_RATE  # the audio was spoken up to now, as a live stream's
+    try:
+        for i in range(0, len(audio), FRAME):
+            assert listener.feed(audio[i : i + FRAME], t0 + i / SAMPLE_RATE) is None
+            if listener.vad.paused:
+                assert wait_until(lambda: listener._scoring is None or listener._scoring.done(), 5)
+                assert wait_until(lambda: listener.asr.covering(listener.vad.last_voiced[1]) is not None, 5)
+                assert listener.poll() is None  # the words and the audio are in, the target's vote is not
+                heard_s = t0 + (i + FRAME) / SAMPLE_RATE - listener.vad.last_voiced[0]
+                if holds and heard_s >= complete_s:
+                    break  # silence enough for the short wait is heard, the turn waits on for the vote
+        assert holds and listener.vad.hangover_s > complete_s
+        woke.clear()
+        holds[0].vote(0.8)  # the early answer's first forward read it, between two frames
+        assert woke.is_set()
+        ended = listener.poll()  # what the owner does when woken: no more audio is fed
+    finally:
+        listener.close()
+    assert ended is not None and ended.kind == "end_of_turn"
+    assert listener.vad.hangover_s == complete_s and ended.decided_t - ended.last_voiced_t >= complete_s
