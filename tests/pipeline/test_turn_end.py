@@ -538,21 +538,33 @@ def test_a_pass_that_heard_all_but_the_last_tenth_of_a_second_starts_the_early_a
     assert [hold.state for hold in holds[:-1]] == ["discarded"] * (len(holds) - 1)  # the one on other words
 
 
-@needs_espeak
-def test_the_targets_vote_read_between_two_frames_ends_the_turn_on_the_next_frame():
+def finished_question(holds: list[Hold], wake=None):
+    """ "What is the capital of France?" and 1 s of silence, and a listener in smart mode over it whose early answers
+    go to holds: Smart Turn says finished (at once); the words come with the first pass that hears them all."""
     from pipeline.listener import TurnListener
-    from pipeline.vad import FRAME
 
     audio, ends = spoken("What is the capital of France?", 1.0)
     asr = ScriptedASR([(ends[0] - 0.1, "What is the capital of France?")])
-    holds: list[Hold] = []
+    start = lambda words, tl, hold: holds.append(hold)  # noqa: E731
     listener = TurnListener(
-        asr,
-        TurnEnd("smart"),
-        asr_interval_s=60,
-        start_early=lambda words, tl, hold: holds.append(hold),
-        smart_turn=FixedSmartTurn(0.95),
+        asr, TurnEnd("smart"), asr_interval_s=60, start_early=start, smart_turn=FixedSmartTurn(0.95), wake=wake
     )
+    return audio, listener
+
+
+def audio_and_words_in(listener) -> None:
+    """Wait, at a pause, for Smart Turn's score and the words up to it, and read them."""
+    assert wait_until(lambda: listener._scoring is None or listener._scoring.done(), 5)
+    assert wait_until(lambda: listener.asr.covering(listener.vad.last_voiced[1]) is not None, 5)
+    assert listener.poll() is None  # the words and the audio are in, the target's vote is not
+
+
+@needs_espeak
+def test_the_targets_vote_read_between_two_frames_ends_the_turn_on_the_next_frame():
+    from pipeline.vad import FRAME
+
+    holds: list[Hold] = []
+    audio, listener = finished_question(holds)
     complete_s = TurnEnd().complete_ms / 1000
     try:
         for i in range(0, len(audio), FRAME):
@@ -565,10 +577,8 @@ def test_the_targets_vote_read_between_two_frames_ends_the_turn_on_the_next_fram
                 break  # this frame's end is past the short wait: the target's vote comes in before it
             assert listener.feed(audio[i : i + FRAME], start_s) is None  # the target has not voted yet
             if listener.vad.paused:
-                assert wait_until(lambda: listener._scoring is None or listener._scoring.done(), 5)
-                assert wait_until(lambda: listener.asr.covering(listener.vad.last_voiced[1]) is not None, 5)
-                listener.poll()
-        assert holds and listener.vad.hangover_s > complete_s  # the words and the audio are in, the target's not
+                audio_and_words_in(listener)
+        assert holds and listener.vad.hangover_s > complete_s
         holds[0].end_of_message_probability = 0.8  # the early answer's first forward read it, between two frames
         ended = listener.feed(audio[i : i + FRAME], i / SAMPLE_RATE)
     finally:
@@ -579,30 +589,18 @@ def test_the_targets_vote_read_between_two_frames_ends_the_turn_on_the_next_fram
 
 @needs_espeak
 def test_the_targets_vote_wakes_the_listener_and_ends_the_turn_between_two_frames():
-    from pipeline.listener import TurnListener
     from pipeline.vad import FRAME
 
-    audio, ends = spoken("What is the capital of France?", 1.0)
-    asr = ScriptedASR([(ends[0] - 0.1, "What is the capital of France?")])
     holds: list[Hold] = []
     woke = threading.Event()
-    listener = TurnListener(
-        asr,
-        TurnEnd("smart"),
-        asr_interval_s=60,
-        start_early=lambda words, tl, hold: holds.append(hold),
-        smart_turn=FixedSmartTurn(0.95),
-        wake=woke.set,
-    )
+    audio, listener = finished_question(holds, wake=woke.set)
     complete_s = TurnEnd().complete_ms / 1000
     t0 = time.perf_counter() - len(audio) / SAMPLE_RATE  # the audio was spoken up to now, as a live stream's
     try:
         for i in range(0, len(audio), FRAME):
             assert listener.feed(audio[i : i + FRAME], t0 + i / SAMPLE_RATE) is None
             if listener.vad.paused:
-                assert wait_until(lambda: listener._scoring is None or listener._scoring.done(), 5)
-                assert wait_until(lambda: listener.asr.covering(listener.vad.last_voiced[1]) is not None, 5)
-                assert listener.poll() is None  # the words and the audio are in, the target's vote is not
+                audio_and_words_in(listener)
                 heard_s = t0 + (i + FRAME) / SAMPLE_RATE - listener.vad.last_voiced[0]
                 if holds and heard_s >= complete_s:
                     break  # silence enough for the short wait is heard, the turn waits on for the vote
