@@ -50,9 +50,11 @@ class FakeListener:
         self.finished_with_in_use: int | None = None  # slots in use while the final transcription ran
         self.closed = False
         self.polls = 0
+        self.end_on_poll = False  # a signal read at the poll ends the turn (TurnListener.poll)
 
-    def poll(self) -> None:
+    def poll(self) -> VadEvent | None:
         self.polls += 1
+        return end_event() if self.end_on_poll else None
 
     def feed(self, chunk: np.ndarray, t_start: float) -> VadEvent | None:
         self.fed_samples += len(chunk)
@@ -264,5 +266,26 @@ def test_an_asr_pass_has_the_hands_free_listener_polled_between_frames():
         wake()
         mic.wait_for(lambda: agent.listeners[0].polls == 1, "poll")
         assert mic.input._queued["audio"] == 0 and "poll" not in mic.input._queued
+    finally:
+        mic.input.close()
+
+
+def test_a_poll_that_ends_the_turn_has_it_transcribed_with_no_more_audio():
+    """The target's vote, in between two frames, ends the turn at the poll it wakes: the mic thread transcribes it
+    then, not at the next frame."""
+    slots = Slots(1)
+    mic, agent = Mic(slots), FakeAgent(slots)
+    mic.input.gate = SpeechGate()
+    mic.input.release(agent)
+    try:
+        mic.input.switch(True, "handsfree")
+        mic.input.feed(np.zeros(512, np.float32), time.perf_counter())
+        mic.wait_for(lambda: agent.listeners, "listener")
+        agent.listeners[0].end_on_poll = True
+        (wake,) = agent.wakes
+        wake()
+        mic.wait_for(lambda: mic.turns, "turn")
+        assert [text for text, _ in mic.turns] == [WORDS] and agent.listeners[0].closed
+        assert agent.listeners[0].fed_samples == 512 and mic.input.listener is None  # the next speech starts anew
     finally:
         mic.input.close()
