@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import torch
+from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
 
 T = TypeVar("T")
 
@@ -109,8 +110,6 @@ def numpy_blas_on_one_thread() -> None:
     helper thread spins on a core for up to ~0.1 s waiting for the next one: a log-mel's filter matmul (Smart Turn,
     every ASR pass) took a core from the compute thread's pool and from Smart Turn that long (docs/results.md).
     Their matrices are small; torch's BLAS (MKL, inside libtorch) is not this library and keeps its threads."""
-    from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
-
     threadpool_limits(limits=1, user_api="blas")
 
 
