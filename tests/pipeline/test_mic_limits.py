@@ -4,6 +4,7 @@ transcription runs under the capacity shared with the answers. Fake listeners st
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -251,9 +252,9 @@ def test_a_turn_whose_early_answer_holds_the_slot_is_transcribed_under_it():
         mic.input.close()
 
 
-def test_an_asr_pass_has_the_hands_free_listener_polled_between_frames():
-    """The words of a pause may come in between two frames: the ASR thread's wake has the mic thread poll the listener
-    at once, so the early answer need not wait for the next frame, and a poll is not counted as queued audio."""
+@contextmanager
+def one_frame_heard():
+    """A hands-free mic that heard one frame of speech: its listener has started (and been given a wake)."""
     slots = Slots(1)
     mic, agent = Mic(slots), FakeAgent(slots)
     mic.input.gate = SpeechGate()
@@ -262,30 +263,28 @@ def test_an_asr_pass_has_the_hands_free_listener_polled_between_frames():
         mic.input.switch(True, "handsfree")
         mic.input.feed(np.zeros(512, np.float32), time.perf_counter())
         mic.wait_for(lambda: agent.listeners, "listener")
+        yield mic, agent
+    finally:
+        mic.input.close()
+
+
+def test_an_asr_pass_has_the_hands_free_listener_polled_between_frames():
+    """The words of a pause may come in between two frames: the ASR thread's wake has the mic thread poll the listener
+    at once, so the early answer need not wait for the next frame, and a poll is not counted as queued audio."""
+    with one_frame_heard() as (mic, agent):
         (wake,) = agent.wakes
         wake()
         mic.wait_for(lambda: agent.listeners[0].polls == 1, "poll")
         assert mic.input._queued["audio"] == 0 and "poll" not in mic.input._queued
-    finally:
-        mic.input.close()
 
 
 def test_a_poll_that_ends_the_turn_has_it_transcribed_with_no_more_audio():
     """The target's vote, in between two frames, ends the turn at the poll it wakes: the mic thread transcribes it
     then, not at the next frame."""
-    slots = Slots(1)
-    mic, agent = Mic(slots), FakeAgent(slots)
-    mic.input.gate = SpeechGate()
-    mic.input.release(agent)
-    try:
-        mic.input.switch(True, "handsfree")
-        mic.input.feed(np.zeros(512, np.float32), time.perf_counter())
-        mic.wait_for(lambda: agent.listeners, "listener")
+    with one_frame_heard() as (mic, agent):
         agent.listeners[0].end_on_poll = True
         (wake,) = agent.wakes
         wake()
         mic.wait_for(lambda: mic.turns, "turn")
         assert [text for text, _ in mic.turns] == [WORDS] and agent.listeners[0].closed
         assert agent.listeners[0].fed_samples == 512 and mic.input.listener is None  # the next speech starts anew
-    finally:
-        mic.input.close()
