@@ -96,7 +96,7 @@ class EndOfTurnDetector:
     def end_if_waited(self, now: float) -> VadEvent | None:
         """Between frames: end the turn, decided at now (the stream's clock), if the silence heard so far already
         covers the hang-over, which a signal that came in since the last frame shortened."""
-        if self.paused and self._t - self._last_voiced[0] >= self.hangover_s - 1e-9:
+        if self.paused and self._waited_by(self._t):
             return self._end_turn(max(now, self._t))
         return None
 
@@ -108,6 +108,10 @@ class EndOfTurnDetector:
         (start_t, start_sample), (last_t, last_sample) = self._turn_start, self._last_voiced
         return VadEvent(kind, start_t, last_t, decided_t, start_sample, last_sample)
 
+    def _waited_by(self, t: float) -> bool:
+        """The silence from the last voiced frame to stream time t covers the hang-over."""
+        return t - self._last_voiced[0] >= self.hangover_s - 1e-9
+
     def _end_turn(self, decided_t: float) -> VadEvent:
         self._in_speech = False
         return self._event("end_of_turn", decided_t)
@@ -118,7 +122,7 @@ class EndOfTurnDetector:
         if self._in_speech:
             if prob >= self.threshold - _HYSTERESIS:
                 self._last_voiced = (end_t, end_sample)
-            elif end_t - self._last_voiced[0] >= self.hangover_s - 1e-9:
+            elif self._waited_by(end_t):
                 return self._end_turn(end_t)
             return None
         if prob < self.threshold:
