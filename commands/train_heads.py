@@ -103,6 +103,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="medusa: every block also reads the token after its feature (the one the target just emitted)",
     )
     parser.add_argument(
+        "--reads-draft",
+        action="store_true",
+        help="medusa with --reads-token: every block after the first also reads the token drafted before its own",
+    )
+    parser.add_argument(
         "--ttt-steps", type=positive_int, default=t.ttt_steps, help="eagle: draft positions trained at once"
     )
     parser.add_argument(
@@ -173,7 +178,8 @@ def training_data(
 ) -> tuple[list[Sequence], Path]:
     """The sequences to train on and the checkpoint for them: the corpus's `shards` (corpus_shards), else the
     prompts' answers and text. also: --also-cache's layers (None: not asked for)."""
-    kind = cfg.kind + ("-token" if cfg.reads_token else "")  # names the checkpoint: no run resumes another's
+    # names the checkpoint: no run resumes another's
+    kind = cfg.kind + ("-token" if cfg.reads_token else "") + ("-draft" if cfg.reads_draft else "")
     fuse = cfg.fuse_layers
     if args.corpus:
         others = () if also is None else (also,)
@@ -235,9 +241,10 @@ def main(args: argparse.Namespace) -> int:
         ttt_steps=args.ttt_steps,
         fuse_layers=fuse,
         reads_token=args.reads_token,
+        reads_draft=args.reads_draft,
     )
-    # A bad --fuse-layers or --reads-token fails now, not after the data.
-    heads_config(cfg.kind, target.model.config, target.name, fuse, cfg.reads_token)
+    # A bad --fuse-layers, --reads-token or --reads-draft fails now, not after the data.
+    heads_config(cfg.kind, target.model.config, target.name, fuse, cfg.reads_token, cfg.reads_draft)
     if also:
         heads_config("eagle", target.model.config, target.name, also)  # the layers --also-cache keeps
     compute.release_workers()  # the corpus's prefill runs on the compute thread: this thread's pool must not slow it
@@ -262,6 +269,7 @@ def main(args: argparse.Namespace) -> int:
         "corpus_shards": len(shards),  # the shards read, not the option: 0 (all) names no data as the corpus grows
         "fuse_layers": list(cfg.fuse_layers),
         "reads_token": cfg.reads_token,
+        "reads_draft": cfg.reads_draft,
         "ttt_steps": cfg.ttt_steps,
         "config": asdict(cfg),
         "held_out_answers": len(val),

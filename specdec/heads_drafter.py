@@ -97,26 +97,55 @@ class HeadsDrafter:
             f = self.features[last - 1]  # its own LM head gave t_L; block i gives t_{L+1+i}
             if self.heads.token_in is not None:  # no host-to-device copy a step where nothing reads it
                 f = self.heads.medusa_input(f, torch.tensor(context[last], device=self.device))
-            sub = torch.stack([self.heads.lm(block(f)) for block in list(self.heads.medusa)[:k]])
             if self.tree_width > 1:
-                return Proposal.of_tree(self._with_lookup(self._medusa_tree(sub, k), context, k), forwards=1)
+                return Proposal.of_tree(self._with_lookup(self._medusa_tree(f, k), context, k), forwards=1)
+            if self.heads.draft_in is not None:
+                return self._medusa_chain(f, k, params, generator)
+            sub = torch.stack([self.heads.lm(block(f)) for block in list(self.heads.medusa)[:k]])
             tokens, tops, q = choose_drafts(sub, self.heads.vocab_ids, self.heads.cfg.vocab_size, params, generator)
             return Proposal.gated([tokens], [tops], [] if q is None else [q], self.min_prob, forwards=1)
         return self._eagle(context, last, k, params, generator)
 
-    def _medusa_tree(self, sub_logits: torch.Tensor, max_nodes: int) -> DraftTree:
-        """The best max_nodes nodes of Medusa's tree: head d's top tree_width tokens as the children of every node
-        at depth d − 1 (a head reads no path), ranked by the heads' path probability. Deterministic: verified as
+    def _medusa_chain(
+        self, f: torch.Tensor, k: int, params: SamplingParams, generator: torch.Generator | None
+    ) -> Proposal:
+        """reads_draft's chain: block i reads the token block i − 1 drafted (sampled, when sampling: q_i is then
+        conditioned on the drafts before it, as rejection sampling needs)."""
+        heads, blocks = self.heads, self.heads.medusa
+        assert blocks is not None
+        drafts, tops, probs = [], [], []
+        before: torch.Tensor | None = None
+        for i, block in enumerate(list(blocks)[:k]):
+            logits = heads.lm(block(heads.block_input(i, f, before)))
+            token, top, q = choose_drafts(logits[None], heads.vocab_ids, heads.cfg.vocab_size, params, generator)
+            drafts.append(token)
+            tops.append(top)
+            if q is not None:
+                probs.append(q)
+            before = token[0]
+        return Proposal.gated(drafts, tops, probs, self.min_prob, forwards=1)
+
+    def _medusa_tree(self, f: torch.Tensor, max_nodes: int) -> DraftTree:
+        """The best max_nodes nodes of Medusa's tree, ranked by the heads' path probability: block d's top
+        tree_width tokens as the children of each node at depth d − 1, the same for every node (plain blocks read
+        no path) or, with reads_draft, each node's own (block d reads the node's token). Deterministic: verified as
         one-hot drafts, lossless greedy or sampled."""
-        logp, ids = sub_logits.float().log_softmax(-1).topk(self.tree_width, -1)  # (depth, width)
-        tokens = self.heads.vocab_ids[ids]
-        depth = iter(range(len(tokens)))
+        heads, blocks = self.heads, self.heads.medusa
+        assert blocks is not None
+        depths = min(max_nodes, len(blocks))
+        depth = iter(range(depths))
+        made: list[torch.Tensor] = []  # the tokens of the nodes made so far, in Expand's numbering
 
         def expand(frontier: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             d = next(depth)
-            return tokens[d].expand(len(frontier), -1), logp[d].expand(len(frontier), -1)
+            before = torch.cat(made)[frontier] if d and heads.draft_in is not None else None
+            x = heads.block_input(d, f, before)
+            logp, ids = heads.lm(blocks[d](x)).float().log_softmax(-1).topk(self.tree_width, -1)
+            tokens = heads.vocab_ids[ids].expand(len(frontier), -1)
+            made.append(tokens.flatten())
+            return tokens, logp.expand(len(frontier), -1)
 
-        return build_tree(expand, self.tree_width, len(tokens), max_nodes, self.device)
+        return build_tree(expand, self.tree_width, depths, max_nodes, self.device)
 
     def _with_lookup(self, tree: DraftTree, context: list[int], k: int) -> DraftTree:
         """The tree with the lookup's chain grafted on, at most k deep: a node sits at its depth's position, and k is

@@ -3,7 +3,7 @@
 eagle is trained for ttt_steps draft positions at once ("training-time test", as EAGLE-3 does): position 1 reads
 the target's true feature, position d the feature the layer itself predicted at position d − 1, attending to the
 true slots before the draft and to the draft slots up to itself, exactly as drafting does. medusa's block k learns
-token j + 1 + k from feature j (and, with reads_token, token j + 1).
+token j + 2 + k from feature j (and, with reads_token, token j + 1; with reads_draft, token j + 1 + k).
 """
 
 from __future__ import annotations
@@ -136,13 +136,20 @@ def draft_attention(
 
 def medusa_logits(heads: DraftHeads, batch: Batch, where: torch.Tensor | None = None) -> list[torch.Tensor]:
     """Each block's draft-vocabulary logits (B, T − 1, V) at every feature j, as drafting computes them at j = L − 1
-    (reading token j + 1 = t_L with reads_token); or (N, V) at the features where `where` (B, T − 1) is true only."""
+    (reading token j + 1 = t_L with reads_token, and block k token j + 1 + k with reads_draft); or (N, V) at the
+    features where `where` (B, T − 1) is true only."""
     assert heads.medusa is not None
-    features, next_tokens = batch.inputs, batch.tokens[:, 1:]
+    features, tokens = batch.inputs, batch.tokens
+    next_tokens = tokens[:, 1:]
     if where is not None:
         features, next_tokens = features[where], next_tokens[where]
     inputs = heads.medusa_input(features, next_tokens)
-    return [heads.lm(block(inputs)) for block in heads.medusa]
+    out = []
+    for k, block in enumerate(heads.medusa):
+        before = F.pad(tokens[:, 1 + k :], (0, k))  # t_{j+1+k} at feature j (teacher-forced: the drafts that count)
+        x = heads.block_input(k, inputs, before if where is None else before[where])
+        out.append(heads.lm(block(x)))
+    return out
 
 
 def medusa_losses(heads: DraftHeads, batch: Batch) -> list[tuple[torch.Tensor, int, int]]:

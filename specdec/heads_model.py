@@ -12,6 +12,8 @@ logits for token j + 1). Two kinds, chosen between by measurement (docs/results.
 - medusa (Medusa-style): one residual block per future position over the last true feature, all in one step.
   With reads_token (as Hydra's heads and EAGLE read it), every block also reads the token that feature chose, t_{j+1}:
   known when drafting (the target just emitted it), and what a block would otherwise have to recompute from f_j.
+  With reads_draft (Hydra's sequential heads, the last token only), block k ≥ 1 also reads the drafted token before
+  its own, t_{j+1+k}: a block that does not know the draft before it guesses it as well as its own token.
 
 The heads never decide what is emitted: the target verifies every draft, so output stays the target's. The file
 format is heads_file.py, drafting heads_drafter.py, the data heads_data.py, the losses heads_loss.py, training
@@ -48,6 +50,7 @@ class HeadsConfig:
     # after i decoder layers, 0 the embeddings, num_hidden_layers the final norm's output); (): that output alone
     fuse_layers: tuple[int, ...] = ()
     reads_token: bool = False  # medusa: the blocks read feature j ⊕ the token after it (DraftHeads.medusa_input)
+    reads_draft: bool = False  # medusa with reads_token: block k ≥ 1 also reads the draft before its own (block_input)
 
     def __post_init__(self) -> None:
         if self.kind not in HEAD_KINDS:
@@ -57,6 +60,8 @@ class HeadsConfig:
             raise ValueError("fuse_layers is for eagle heads: medusa reads the final norm's output")
         if self.reads_token and self.kind != "medusa":
             raise ValueError("reads_token is for medusa heads: eagle reads the token it follows anyway")
+        if self.reads_draft and not self.reads_token:
+            raise ValueError("reads_draft is for medusa heads that read the token (reads_token)")
         if any(i < 0 for i in self.fuse_layers):
             raise ValueError(f"fuse_layers are hidden_states indices (≥ 0), got {self.fuse_layers}")
 
@@ -194,6 +199,12 @@ class DraftHeads(nn.Module):
         self.token_in = nn.Linear(cfg.hidden, cfg.hidden, bias=False) if cfg.reads_token else None
         if self.token_in is not None:
             nn.init.zeros_(self.token_in.weight)  # starts as plain medusa
+        self.draft_in: nn.ModuleList | None = None
+        if cfg.reads_draft:  # block k ≥ 1's view of the draft before its token; starts as reads_token medusa
+            linears = [nn.Linear(cfg.hidden, cfg.hidden, bias=False) for _ in range(cfg.n_medusa - 1)]
+            for linear in linears:
+                nn.init.zeros_(linear.weight)
+            self.draft_in = nn.ModuleList(linears)
         self.lm = nn.Linear(cfg.hidden, len(vocab_ids), bias=False).requires_grad_(False)
         # The target's own embedding table, held outside the module tree: not ours to train, move or store.
         self._embed: tuple[nn.Module, ...] = ()
@@ -219,3 +230,11 @@ class DraftHeads(nn.Module):
         if self.token_in is None:
             return features
         return features + self.token_in(self.embed_tokens(next_tokens))
+
+    def block_input(self, k: int, inputs: torch.Tensor, draft_before: torch.Tensor | None) -> torch.Tensor:
+        """What medusa's block k reads: medusa_input's `inputs`, plus with reads_draft for k ≥ 1 the token before the
+        one it drafts, t_{j+1+k} (draft_before: token ids, inputs' leading shape or broadcast to it)."""
+        if self.draft_in is None or k == 0:
+            return inputs
+        assert draft_before is not None, "block k ≥ 1 of reads_draft heads reads the draft before its own"
+        return inputs + self.draft_in[k - 1](self.embed_tokens(draft_before))

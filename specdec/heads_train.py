@@ -35,6 +35,7 @@ class TrainConfig:
     ttt_steps: int = 3  # eagle: draft positions trained at once, each after the layer's own predicted features
     fuse_layers: tuple[int, ...] = ()  # eagle: the target layers fused into a true slot's feature (HeadsConfig)
     reads_token: bool = False  # medusa: the blocks also read the token after their feature (HeadsConfig)
+    reads_draft: bool = False  # medusa with reads_token: block k ≥ 1 also reads the draft before its own (HeadsConfig)
     seed: int = 0
     checkpoint_every_s: float = 120.0
     bf16: bool = True  # autocast the training steps to bf16 (2.4× faster on this CPU; evaluation stays float32)
@@ -240,7 +241,12 @@ def eagle3_layers(n_layers: int) -> tuple[int, ...]:
 
 
 def heads_config(
-    kind: str, model_config, target: str, fuse_layers: tuple[int, ...] = (), reads_token: bool = False
+    kind: str,
+    model_config,
+    target: str,
+    fuse_layers: tuple[int, ...] = (),
+    reads_token: bool = False,
+    reads_draft: bool = False,
 ) -> HeadsConfig:
     """Heads shaped after the target: its widths, attention heads and RoPE; an MLP a quarter of the target's."""
     c = model_config
@@ -259,6 +265,7 @@ def heads_config(
         target=target,
         fuse_layers=fuse_layers,
         reads_token=reads_token,
+        reads_draft=reads_draft,
     )
 
 
@@ -275,7 +282,7 @@ def fit_heads(
     per head, and the held-out sequences. lm_weight: the target's LM head in float (before any quantization)."""
     train, val = split(seqs, cfg.val_fraction, cfg.seed)
     vocab_ids = choose_vocab(train, cfg.vocab, target.tokenizer.eos_token_ids)
-    shape = heads_config(cfg.kind, target.model.config, target.name, cfg.fuse_layers, cfg.reads_token)
+    shape = heads_config(cfg.kind, target.model.config, target.name, cfg.fuse_layers, cfg.reads_token, cfg.reads_draft)
     heads = DraftHeads(shape, vocab_ids)
     if seqs[0].features.shape[1] != heads.cfg.feature_width:
         raise ValueError(

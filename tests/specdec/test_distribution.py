@@ -6,6 +6,8 @@ and must fail there ("teeth"); the seeds are fixed, so every outcome is reproduc
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,6 +21,7 @@ from specdec import sampling
 from specdec.build import build_engine, k_policy_factory
 from specdec.drafters import DraftModelDrafter, NGramDrafter
 from specdec.engine import GenerationConfig, SpeculativeEngine, collect
+from specdec.heads_file import load_heads, read_heads, save_heads
 from specdec.models import build_tiny_random
 from specdec.runner import BatchRunner
 from specdec.sampling import SamplingParams, logits_to_probs
@@ -209,10 +212,66 @@ def test_a_medusa_tree_keeps_the_target_joint(target, tiny_engine, tiny_heads):
     assert chi2_pvalue(sample_pairs(engine, ids, N_PAIRS), exact_pair_probs(target, ids, PARAMS)) > P_FAIL
 
 
-@pytest.mark.parametrize("tiny_heads", ["medusa"], indirect=True)  # eagle drafts a chain
+@pytest.mark.parametrize("tiny_heads", ["medusa", "medusa-draft"], indirect=True)  # eagle drafts a chain
 def test_whole_answers_with_a_medusa_tree_follow_the_target(target, tiny_engine, tiny_heads):
     engine = heads_engine(tiny_engine, tiny_heads, k=3, tree=3)
     assert min(pit_pvalues(engine, target, prompt(target), N_ANSWERS, bonus_of_a_chain=False)) > P_FAIL
+
+
+def leaning_on_the_draft_before(tiny_heads, folder: Path) -> tuple[Path, list]:
+    """The tiny reads_draft heads with their view of the draft before scaled up: each block's q then depends on that
+    draft strongly, so a q conditioned on the wrong draft (or none) shows."""
+    path, val = tiny_heads
+    heads, _ = read_heads(path)
+    assert heads.draft_in is not None
+    with torch.no_grad():
+        for linear in heads.draft_in:
+            linear.weight.mul_(DRAFT_IN_SCALE)
+    save_heads(heads, folder / "leaning.safetensors")
+    return folder / "leaning.safetensors", val
+
+
+DRAFT_IN_SCALE = 30.0
+
+
+@pytest.mark.parametrize("tiny_heads", ["medusa-draft"], indirect=True)
+def test_whole_answers_with_a_reads_draft_chain_follow_the_target(target, tiny_engine, tiny_heads, tmp_path):
+    """Block i ≥ 1 samples after the draft sampled before it, so its q is the one conditioned on that draft, as
+    min(1, p / q) at draft i needs (the tree of such heads is verified one-hot: test_tree_engine)."""
+    engine = heads_engine(tiny_engine, leaning_on_the_draft_before(tiny_heads, tmp_path), k=3)
+    events = [collect(engine.stream(prompt(target), GenerationConfig(8, PARAMS, seed=s)))[1] for s in range(100)]
+    assert sum(ev.accepted >= 2 for evs in events for ev in evs) > 0  # a draft after a draft was accepted
+    # every token's PIT only: the tiny heads rarely have all three drafts accepted, too few bonus tokens to test
+    assert pit_pvalues(engine, target, prompt(target), N_ANSWERS, bonus_of_a_chain=False)[0] > P_FAIL
+
+
+@pytest.mark.parametrize("tiny_heads", ["medusa-draft"], indirect=True)
+@pytest.mark.parametrize("broken", [False, True], ids=["as-drawn", "teeth-q-of-no-draft-before"])
+def test_a_reads_draft_chain_records_the_q_each_draft_was_drawn_from(
+    tiny_engine, tiny_heads, tmp_path, monkeypatch, broken
+):
+    """Draft 2 is drawn after draft 1: over many proposals whose first draft is the same token, the second drafts
+    follow the q recorded for them (χ²). The tiny heads' first drafts are rarely accepted, so the engine's checks
+    above barely reach draft 2; this one reads it directly. Broken: q recorded as if block 2 read no draft before."""
+    if broken:
+        chain = chain_with_q_of_no_draft_before(heads_drafter_module.HeadsDrafter._medusa_chain)
+        monkeypatch.setattr(heads_drafter_module.HeadsDrafter, "_medusa_chain", chain)
+    path, val = leaning_on_the_draft_before(tiny_heads, tmp_path)
+    target = tiny_engine.cpu_target
+    drafter = heads_drafter_module.HeadsDrafter(load_heads(path, target.model, target.name))
+    s = val[0]
+    drafter.add_features(s.tokens[:-1], 0, s.features)
+    context = s.tokens[: s.answer_start + 1]
+    generator = torch.Generator().manual_seed(0)
+    draws = [drafter.propose(context, 2, PARAMS, generator) for _ in range(N_PAIRS)]
+    first = Counter(int(d.tokens[0]) for d in draws).most_common(1)[0][0]
+    after = [d for d in draws if int(d.tokens[0]) == first]
+    assert len(after) > 500 and all(d.probs is not None for d in after)
+    q = after[0].probs[1]
+    assert all(torch.equal(d.probs[1], q) for d in after)  # a function of the first draft alone
+    exact = {(t,): float(p) for t, p in enumerate(q.tolist()) if p > 0}
+    pvalue = chi2_pvalue(Counter((int(d.tokens[1]),) for d in after), exact)
+    assert (pvalue < P_FAIL) == broken
 
 
 def target_greedy_lookup(target):
@@ -311,6 +370,19 @@ def test_joint_check_catches_a_tree_verdict_that_forgets_its_rejected_candidates
     ids = prompt(target)
     engine = heads_engine(tiny_engine, tiny_heads, k=3, tree=3, lookup=2 if lookup else 0)
     assert chi2_pvalue(sample_pairs(engine, ids, N_PAIRS), exact_pair_probs(target, ids, PARAMS)) < P_FAIL
+
+
+def chain_with_q_of_no_draft_before(real):
+    """reads_draft's chain that samples block i after the draft before it but records q as block i read no draft."""
+
+    def broken(self, f, k, params, generator):
+        proposal = real(self, f, k, params, generator)
+        heads = self.heads
+        unconditioned = torch.stack([heads.lm(block(f)) for block in list(heads.medusa)[: len(proposal.tokens)]])
+        full = drafters_module.full_vocab_logits(unconditioned, heads.vocab_ids, heads.cfg.vocab_size)
+        return replace(proposal, probs=logits_to_probs(full, params))
+
+    return broken
 
 
 def test_pit_check_catches_a_bonus_from_the_wrong_row(target, good_draft, monkeypatch):

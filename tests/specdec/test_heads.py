@@ -16,7 +16,7 @@ from commands import cli
 from specdec.build import build_engine
 from specdec.corpus import read_rows, write_rows
 from specdec.engine import GenerationConfig, collect
-from specdec.heads_data import corpus_dataset, load_shards, read_sequences, shard_path, teacher_forced
+from specdec.heads_data import Sequence, corpus_dataset, load_shards, read_sequences, shard_path, teacher_forced
 from specdec.heads_drafter import HeadsDrafter
 from specdec.heads_file import load_heads, read_heads, save_heads
 from specdec.heads_loss import (
@@ -80,7 +80,7 @@ def test_kept_layers_are_transformers_hidden_states(tiny_engine):
     torch.testing.assert_close(kept.hidden, torch.cat([states[i][0, -3:] for i in TINY_FUSE], -1), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("tiny_heads", ["eagle", "medusa", "eagle3", "medusa-token"], indirect=True)
+@pytest.mark.parametrize("tiny_heads", ["eagle", "medusa", "eagle3", "medusa-token", "medusa-draft"], indirect=True)
 def test_greedy_output_with_heads_is_target_only(tiny_engine, tiny_heads):
     engine = heads_engine(tiny_engine, tiny_heads)
     target = engine.target
@@ -129,6 +129,32 @@ def test_medusa_drafts_what_it_was_trained_to(tiny_engine, tiny_heads):
     swapped = [context[:-1] + [int(t)] for t in heads.vocab_ids[:16]]
     changed = [drafter.propose(c, 4, greedy, None).tokens.tolist() != first for c in swapped]
     assert any(changed) == heads.cfg.reads_token
+
+
+@pytest.mark.parametrize("tiny_heads", ["medusa-token", "medusa-draft"], indirect=True)
+def test_a_block_reads_the_draft_before_its_own_as_training_does(tiny_engine, tiny_heads):
+    """reads_draft: block k ≥ 1 drafts after block k − 1's draft, which training teacher-forces as token j + 1 + k:
+    the chain drafted at context length L + 1 is what training scores at feature L − 1 on a sequence that goes on
+    with those drafts; and another token there changes block 1's logits (reads_token alone: it does not)."""
+    path, val = tiny_heads
+    target = tiny_engine.cpu_target
+    heads = load_heads(path, target.model, target.name)
+    s = val[0]
+    drafter = HeadsDrafter(heads)
+    drafter.add_features(s.tokens[:-1], 0, s.features)
+    changed = []
+    for last in range(s.answer_start, len(s.tokens)):
+        drafts = drafter.propose(s.tokens[: last + 1], 4, SamplingParams(), None).tokens.tolist()
+        assert len(drafts) == 4
+        logits = [], []
+        for i, first in enumerate((drafts[0], drafts[0] + 1)):
+            tokens = s.tokens[: last + 1] + [first] + drafts[1:]
+            features = F.pad(s.features[:last], (0, 0, 0, len(tokens) - 1 - last))
+            batch = make_batch([Sequence(tokens, s.answer_start, features, [0] * (len(tokens) - 1))])
+            logits[i].extend(block[0, last - 1] for block in medusa_logits(heads, batch))
+        assert [int(heads.vocab_ids[block.argmax()]) for block in logits[0]] == drafts
+        changed.append(not torch.equal(logits[0][1], logits[1][1]))
+    assert any(changed) == heads.cfg.reads_draft and all(changed) == heads.cfg.reads_draft
 
 
 @pytest.mark.parametrize("tiny_heads", ["eagle", "eagle3"], indirect=True)  # medusa keeps no cache
@@ -498,6 +524,11 @@ def test_train_heads_command_writes_heads_and_resumes(tiny_engine, tmp_path, cap
     assert cli.main(argv + ["--reads-token"]) == 0  # its own checkpoint: it does not resume plain medusa's
     assert "resumed from" not in capsys.readouterr().err and json.loads(report.read_text())["reads_token"]
     assert load_heads(out, tiny_engine.target.model, "tiny-random-target").cfg.reads_token
+    assert cli.main(argv + ["--reads-token", "--reads-draft"]) == 0  # its own checkpoint again
+    assert "resumed from" not in capsys.readouterr().err and json.loads(report.read_text())["reads_draft"]
+    assert load_heads(out, tiny_engine.target.model, "tiny-random-target").cfg.reads_draft
+    assert cli.main(argv + ["--reads-draft"]) == 2
+    assert "reads_draft is for medusa heads that read the token" in capsys.readouterr().err
 
 
 def test_train_heads_from_the_corpus_with_fused_layers(tiny_engine, tiny_corpus, tmp_path, capsys):

@@ -15,9 +15,11 @@ from specdec import heads_drafter as heads_drafter_module
 from specdec.cost_grid import ForwardCosts
 from specdec.engine import GenerationConfig, collect
 from specdec.heads_drafter import HeadsDrafter
+from specdec.heads_file import load_heads
 from specdec.kv import Feed
 from specdec.quant import quantize_linears
 from specdec.runner import BatchRunner
+from specdec.sampling import SamplingParams
 from specdec.scheduler import BatchScheduler
 from specdec.tree import DraftTree, node_ranks
 from tests.specdec.test_scheduler import run_together
@@ -116,7 +118,39 @@ def accepted_nodes(tree: DraftTree, tokens: list[int]) -> list[int]:
     return nodes
 
 
-@pytest.mark.parametrize("tiny_heads", ["medusa"], indirect=True)
+def sibling_groups_differ(tree: DraftTree) -> bool:
+    """Whether two nodes at one depth got different candidates: beyond the first depth, plain medusa gives every
+    node block d's same top tokens (the best-ranked kept, so each group is a prefix of its depth's longest)."""
+    groups: dict[int, list[int]] = {}
+    for parent, token in zip(tree.parents.tolist(), tree.tokens.tolist()):
+        groups.setdefault(parent, []).append(token)
+    depth = {i: d for i, d in enumerate(tree.depths.tolist())}
+    by_depth: dict[int, list[list[int]]] = {}
+    for parent, tokens in groups.items():
+        if parent >= 0:
+            by_depth.setdefault(depth[parent], []).append(tokens)
+    return any(g[: len(h)] != h for gs in by_depth.values() for g in gs for h in gs if len(h) <= len(g))
+
+
+@pytest.mark.parametrize("tiny_heads", ["medusa", "medusa-draft"], indirect=True)
+def test_a_reads_draft_tree_gives_each_node_children_of_its_own(tiny_engine, tiny_heads):
+    """With reads_draft a node's children are block d's top tokens after that node's own token: two nodes at one
+    depth get different candidates. Plain medusa gives every node the same."""
+    path, val = tiny_heads
+    target = tiny_engine.cpu_target
+    heads = load_heads(path, target.model, target.name)
+    drafter = HeadsDrafter(heads, tree_width=3)
+    s = val[0]
+    drafter.add_features(s.tokens[:-1], 0, s.features)
+    trees = [
+        drafter.propose(s.tokens[: last + 1], 12, SamplingParams(), None).tree
+        for last in range(s.answer_start, len(s.tokens))
+    ]
+    assert all(t is not None and len(t) == 12 for t in trees)
+    assert any(sibling_groups_differ(t) for t in trees if t is not None) == heads.cfg.reads_draft
+
+
+@pytest.mark.parametrize("tiny_heads", ["medusa", "medusa-draft"], indirect=True)
 def test_greedy_output_with_a_medusa_tree_is_target_only(tiny_engine, tiny_heads, monkeypatch):
     trees: list[DraftTree] = []
     made = HeadsDrafter._medusa_tree
@@ -164,7 +198,7 @@ def test_a_step_tells_the_ranks_of_the_accepted_nodes(tiny_engine, tiny_heads, m
 FLAT_COSTS = ForwardCosts([1, 4], [1, 5], [[1.0, 1.0], [1.0, 1.0]])
 
 
-@pytest.mark.parametrize("tiny_heads", ["medusa"], indirect=True)
+@pytest.mark.parametrize("tiny_heads", ["medusa", "medusa-draft"], indirect=True)
 @pytest.mark.parametrize("costs", [None, FLAT_COSTS], ids=["own-k", "load-aware"])
 def test_medusa_trees_in_a_batch_equal_each_answer_alone(tiny_engine, tiny_heads, costs):
     """load-aware: the grid sizes each answer's tree from what its nodes brought by rank (scheduler.choose_ks)."""
