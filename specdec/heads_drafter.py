@@ -31,7 +31,8 @@ LOOKUP_MIN_NGRAM = 2
 
 
 class HeadsDrafter:
-    """Drafts from the target's features: eagle autoregressively on its own one-layer cache, medusa in one step.
+    """Drafts from the target's features: eagle autoregressively on its own one-layer cache, medusa in one step (with
+    reads_draft, block after block: each reads the draft before its own).
 
     min_prob: the confidence gate (drafters.confident_count), as for a draft model.
     tree_width: medusa, above 1: the K drafts are the best K nodes of a draft tree with this many candidates per node

@@ -9,7 +9,8 @@ logits for token j + 1). Two kinds, chosen between by measurement (docs/results.
   slot reads (the draft, the predicted feature), so drafting runs autoregressively on a KV cache of its own.
   With fuse_layers (EAGLE-3), a true slot's feature is instead the target's low, middle and high layer states fused
   into one (FeatureFusion); a predicted feature stays the layer's own output.
-- medusa (Medusa-style): one residual block per future position over the last true feature, all in one step.
+- medusa (Medusa-style): one residual block per future position over the last true feature, all in one step
+  (block after block with reads_draft, below).
   With reads_token (as Hydra's heads and EAGLE read it), every block also reads the token that feature chose, t_{j+1}:
   known when drafting (the target just emitted it), and what a block would otherwise have to recompute from f_j.
   With reads_draft (Hydra's sequential heads, the last token only), block k ≥ 1 also reads the drafted token before
