@@ -108,6 +108,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="medusa with --reads-token: every block after the first also reads the token drafted before its own",
     )
     parser.add_argument(
+        "--block-layers",
+        type=positive_int,
+        default=t.block_layers,
+        help="medusa: residual layers in each block (1: Medusa's own)",
+    )
+    parser.add_argument(
         "--ttt-steps", type=positive_int, default=t.ttt_steps, help="eagle: draft positions trained at once"
     )
     parser.add_argument(
@@ -180,6 +186,7 @@ def training_data(
     prompts' answers and text. also: --also-cache's layers (None: not asked for)."""
     # names the checkpoint: no run resumes another's
     kind = cfg.kind + ("-token" if cfg.reads_token else "") + ("-draft" if cfg.reads_draft else "")
+    kind += f"-x{cfg.block_layers}" if cfg.block_layers > 1 else ""
     fuse = cfg.fuse_layers
     if args.corpus:
         others = () if also is None else (also,)
@@ -242,9 +249,10 @@ def main(args: argparse.Namespace) -> int:
         fuse_layers=fuse,
         reads_token=args.reads_token,
         reads_draft=args.reads_draft,
+        block_layers=args.block_layers,
     )
     # A bad --fuse-layers, --reads-token or --reads-draft fails now, not after the data.
-    heads_config(cfg.kind, target.model.config, target.name, fuse, cfg.reads_token, cfg.reads_draft)
+    heads_config(cfg.kind, target.model.config, target.name, fuse, cfg.reads_token, cfg.reads_draft, cfg.block_layers)
     if also:
         heads_config("eagle", target.model.config, target.name, also)  # the layers --also-cache keeps
     compute.release_workers()  # the corpus's prefill runs on the compute thread: this thread's pool must not slow it
@@ -270,6 +278,7 @@ def main(args: argparse.Namespace) -> int:
         "fuse_layers": list(cfg.fuse_layers),
         "reads_token": cfg.reads_token,
         "reads_draft": cfg.reads_draft,
+        "block_layers": cfg.block_layers,
         "ttt_steps": cfg.ttt_steps,
         "config": asdict(cfg),
         "held_out_answers": len(val),

@@ -15,6 +15,7 @@ logits for token j + 1). Two kinds, chosen between by measurement (docs/results.
   known when drafting (the target just emitted it), and what a block would otherwise have to recompute from f_j.
   With reads_draft (Hydra's sequential heads, the last token only), block k ≥ 1 also reads the drafted token before
   its own, t_{j+1+k}: a block that does not know the draft before it guesses it as well as its own token.
+  With block_layers > 1 (as Hydra++ deepens its heads), each block is that many residual layers in a row.
 
 The heads never decide what is emitted: the target verifies every draft, so output stays the target's. The file
 format is heads_file.py, drafting heads_drafter.py, the data heads_data.py, the losses heads_loss.py, training
@@ -52,6 +53,7 @@ class HeadsConfig:
     fuse_layers: tuple[int, ...] = ()
     reads_token: bool = False  # medusa: the blocks read feature j ⊕ the token after it (DraftHeads.medusa_input)
     reads_draft: bool = False  # medusa with reads_token: block k ≥ 1 also reads the draft before its own (block_input)
+    block_layers: int = 1  # medusa: residual layers in each block (medusa_block)
 
     def __post_init__(self) -> None:
         if self.kind not in HEAD_KINDS:
@@ -63,6 +65,8 @@ class HeadsConfig:
             raise ValueError("reads_token is for medusa heads: eagle reads the token it follows anyway")
         if self.reads_draft and not self.reads_token:
             raise ValueError("reads_draft is for medusa heads that read the token (reads_token)")
+        if self.block_layers < 1 or (self.block_layers > 1 and self.kind != "medusa"):
+            raise ValueError(f"block_layers is medusa's residual layers per block (≥ 1), got {self.block_layers}")
         if any(i < 0 for i in self.fuse_layers):
             raise ValueError(f"fuse_layers are hidden_states indices (≥ 0), got {self.fuse_layers}")
 
@@ -185,6 +189,12 @@ class ResBlock(nn.Module):
         return x + F.silu(self.linear(x))
 
 
+def medusa_block(hidden: int, layers: int) -> nn.Module:
+    """One medusa block: `layers` residual layers in a row (one: a ResBlock itself, the state-dict keys of files made
+    before deeper blocks existed)."""
+    return ResBlock(hidden) if layers == 1 else nn.Sequential(*(ResBlock(hidden) for _ in range(layers)))
+
+
 class DraftHeads(nn.Module):
     """The trained part (eagle layer or medusa blocks) plus what it borrows from the target at load time: the token
     embedding table and the LM head rows of `vocab_ids`, the vocabulary drafts are drawn from."""
@@ -196,7 +206,11 @@ class DraftHeads(nn.Module):
         self.cfg = cfg
         self.register_buffer("vocab_ids", vocab_ids.long(), persistent=False)
         self.eagle = EagleLayer(cfg) if cfg.kind == "eagle" else None
-        self.medusa = nn.ModuleList(ResBlock(cfg.hidden) for _ in range(cfg.n_medusa)) if cfg.kind == "medusa" else None
+        self.medusa = (
+            nn.ModuleList(medusa_block(cfg.hidden, cfg.block_layers) for _ in range(cfg.n_medusa))
+            if cfg.kind == "medusa"
+            else None
+        )
         self.token_in = nn.Linear(cfg.hidden, cfg.hidden, bias=False) if cfg.reads_token else None
         if self.token_in is not None:
             nn.init.zeros_(self.token_in.weight)  # starts as plain medusa

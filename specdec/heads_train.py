@@ -36,6 +36,7 @@ class TrainConfig:
     fuse_layers: tuple[int, ...] = ()  # eagle: the target layers fused into a true slot's feature (HeadsConfig)
     reads_token: bool = False  # medusa: the blocks also read the token after their feature (HeadsConfig)
     reads_draft: bool = False  # medusa with reads_token: block k ≥ 1 also reads the draft before its own (HeadsConfig)
+    block_layers: int = 1  # medusa: residual layers per block (HeadsConfig)
     seed: int = 0
     checkpoint_every_s: float = 120.0
     bf16: bool = True  # autocast the training steps to bf16 (2.4× faster on this CPU; evaluation stays float32)
@@ -247,6 +248,7 @@ def heads_config(
     fuse_layers: tuple[int, ...] = (),
     reads_token: bool = False,
     reads_draft: bool = False,
+    block_layers: int = 1,
 ) -> HeadsConfig:
     """Heads shaped after the target: its widths, attention heads and RoPE; an MLP a quarter of the target's."""
     c = model_config
@@ -266,6 +268,7 @@ def heads_config(
         fuse_layers=fuse_layers,
         reads_token=reads_token,
         reads_draft=reads_draft,
+        block_layers=block_layers,
     )
 
 
@@ -282,7 +285,9 @@ def fit_heads(
     per head, and the held-out sequences. lm_weight: the target's LM head in float (before any quantization)."""
     train, val = split(seqs, cfg.val_fraction, cfg.seed)
     vocab_ids = choose_vocab(train, cfg.vocab, target.tokenizer.eos_token_ids)
-    shape = heads_config(cfg.kind, target.model.config, target.name, cfg.fuse_layers, cfg.reads_token, cfg.reads_draft)
+    shape = heads_config(
+        cfg.kind, target.model.config, target.name, cfg.fuse_layers, cfg.reads_token, cfg.reads_draft, cfg.block_layers
+    )
     heads = DraftHeads(shape, vocab_ids)
     if seqs[0].features.shape[1] != heads.cfg.feature_width:
         raise ValueError(

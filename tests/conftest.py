@@ -114,7 +114,7 @@ def tiny_heads(request, tiny_engine, tiny_data):
     """Heads of each kind trained for a few seconds on the tiny target's own answers, saved like the shipped ones;
     "eagle3" (asked for by name) reads the layers TINY_FUSE, trained on the corpus's features (heads_data);
     "medusa-token" (by name) is medusa reading the token after its feature, "medusa-draft" (by name) that and the
-    draft before each block's own."""
+    draft before each block's own, "medusa-deep" (by name) medusa-draft with two residual layers a block."""
     target = tiny_engine.cpu_target  # train-heads runs on the CPU
     cfg = TrainConfig(kind=request.param, vocab=96, epochs=6, lr=3e-3, batch_sequences=8)
     seqs = load_shards(tiny_data)
@@ -123,8 +123,10 @@ def tiny_heads(request, tiny_engine, tiny_data):
         shards = sorted((corpus / "answers").glob("answers_*.jsonl.gz"))
         seqs = read_sequences(corpus_dataset(target, "none", shards, corpus / "work", TINY_FUSE))
         cfg = TrainConfig(kind="eagle", vocab=96, epochs=6, lr=3e-3, batch_sequences=8, fuse_layers=TINY_FUSE)
-    if request.param in ("medusa-token", "medusa-draft"):
-        cfg = dataclasses.replace(cfg, kind="medusa", reads_token=True, reads_draft=request.param == "medusa-draft")
+    if request.param in ("medusa-token", "medusa-draft", "medusa-deep"):
+        reads_draft = request.param != "medusa-token"
+        layers = 2 if request.param == "medusa-deep" else 1
+        cfg = dataclasses.replace(cfg, kind="medusa", reads_token=True, reads_draft=reads_draft, block_layers=layers)
     lm_weight = target.model.get_output_embeddings().weight
     heads, _, val = fit_heads(seqs, cfg, target, lm_weight, tiny_data / f"{request.param}.ckpt", print)
     path = tiny_data / f"{request.param}.safetensors"

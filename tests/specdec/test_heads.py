@@ -80,7 +80,9 @@ def test_kept_layers_are_transformers_hidden_states(tiny_engine):
     torch.testing.assert_close(kept.hidden, torch.cat([states[i][0, -3:] for i in TINY_FUSE], -1), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("tiny_heads", ["eagle", "medusa", "eagle3", "medusa-token", "medusa-draft"], indirect=True)
+@pytest.mark.parametrize(
+    "tiny_heads", ["eagle", "medusa", "eagle3", "medusa-token", "medusa-draft", "medusa-deep"], indirect=True
+)
 def test_greedy_output_with_heads_is_target_only(tiny_engine, tiny_heads):
     engine = heads_engine(tiny_engine, tiny_heads)
     target = engine.target
@@ -131,7 +133,7 @@ def test_medusa_drafts_what_it_was_trained_to(tiny_engine, tiny_heads):
     assert any(changed) == heads.cfg.reads_token
 
 
-@pytest.mark.parametrize("tiny_heads", ["medusa-token", "medusa-draft"], indirect=True)
+@pytest.mark.parametrize("tiny_heads", ["medusa-token", "medusa-draft", "medusa-deep"], indirect=True)
 def test_a_block_reads_the_draft_before_its_own_as_training_does(tiny_engine, tiny_heads):
     """reads_draft: block k ≥ 1 drafts after block k − 1's draft, which training teacher-forces as token j + 1 + k:
     the chain drafted at context length L + 1 is what training scores at feature L − 1 on a sequence that goes on
@@ -529,6 +531,13 @@ def test_train_heads_command_writes_heads_and_resumes(tiny_engine, tmp_path, cap
     assert load_heads(out, tiny_engine.target.model, "tiny-random-target").cfg.reads_draft
     assert cli.main(argv + ["--reads-draft"]) == 2
     assert "reads_draft is for medusa heads that read the token" in capsys.readouterr().err
+    deep = ["--reads-token", "--reads-draft", "--block-layers", "2"]
+    assert cli.main(argv + deep) == 0  # its own checkpoint: two layers a block resume no one-layer run
+    assert "resumed from" not in capsys.readouterr().err and json.loads(report.read_text())["block_layers"] == 2
+    heads = load_heads(out, tiny_engine.target.model, "tiny-random-target")
+    assert heads.cfg.block_layers == 2 and heads.medusa is not None and len(heads.medusa[0]) == 2
+    assert cli.main(argv + ["--kind", "eagle", "--block-layers", "2"]) == 2
+    assert "block_layers is medusa's residual layers per block" in capsys.readouterr().err
 
 
 def test_train_heads_from_the_corpus_with_fused_layers(tiny_engine, tiny_corpus, tmp_path, capsys):

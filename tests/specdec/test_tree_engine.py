@@ -150,7 +150,7 @@ def test_a_reads_draft_tree_gives_each_node_children_of_its_own(tiny_engine, tin
     assert any(sibling_groups_differ(t) for t in trees if t is not None) == heads.cfg.reads_draft
 
 
-@pytest.mark.parametrize("tiny_heads", ["medusa", "medusa-draft"], indirect=True)
+@pytest.mark.parametrize("tiny_heads", ["medusa", "medusa-draft", "medusa-deep"], indirect=True)
 def test_greedy_output_with_a_medusa_tree_is_target_only(tiny_engine, tiny_heads, monkeypatch):
     trees: list[DraftTree] = []
     made = HeadsDrafter._medusa_tree
