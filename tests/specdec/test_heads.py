@@ -594,7 +594,7 @@ def test_shipped_heads_fit_the_default_target():
 
     path = default_heads_path(EngineSpec().target)
     assert path.exists(), f"{path} is not in the checkout"
-    assert path.stat().st_size <= 50 * 2**20
+    assert path.stat().st_size <= 100 * 10**6  # issue 38's budget for the shipped file
     heads, extra = read_heads(path)
     assert heads.cfg.target == EngineSpec().target
     assert extra["target_quant"] == EngineSpec().target_quant
