@@ -66,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--writes",
         type=positive_int,
-        default=2560,
+        default=3072,
         help="requests: prompts asking for requests (default: what assets/corpus was made with; fewer rewrite "
         "requests.jsonl from fewer written shards)",
     )

@@ -251,7 +251,7 @@ def main(args: argparse.Namespace) -> int:
         reads_draft=args.reads_draft,
         block_layers=args.block_layers,
     )
-    # A bad --fuse-layers, --reads-token or --reads-draft fails now, not after the data.
+    # A bad --fuse-layers, --reads-token, --reads-draft or --block-layers fails now, not after the data.
     heads_config(cfg.kind, target.model.config, target.name, fuse, cfg.reads_token, cfg.reads_draft, cfg.block_layers)
     if also:
         heads_config("eagle", target.model.config, target.name, also)  # the layers --also-cache keeps
