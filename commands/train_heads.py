@@ -48,6 +48,7 @@ from specdec.heads_train import (
     heads_config,
     simulated_acceptance,
     split,
+    trained_heads_config,
     vocab_coverage,
 )
 from specdec.models import LoadedModel, asset_path, cache_dir, load_model, log
@@ -252,7 +253,7 @@ def main(args: argparse.Namespace) -> int:
         block_layers=args.block_layers,
     )
     # A bad --fuse-layers, --reads-token, --reads-draft or --block-layers fails now, not after the data.
-    heads_config(cfg.kind, target.model.config, target.name, fuse, cfg.reads_token, cfg.reads_draft, cfg.block_layers)
+    trained_heads_config(cfg, target.model.config, target.name)
     if also:
         heads_config("eagle", target.model.config, target.name, also)  # the layers --also-cache keeps
     compute.release_workers()  # the corpus's prefill runs on the compute thread: this thread's pool must not slow it

@@ -272,6 +272,13 @@ def heads_config(
     )
 
 
+def trained_heads_config(cfg: TrainConfig, model_config, target: str) -> HeadsConfig:
+    """The heads `cfg` trains for the target: heads_config with the training's choices of kind and inputs."""
+    return heads_config(
+        cfg.kind, model_config, target, cfg.fuse_layers, cfg.reads_token, cfg.reads_draft, cfg.block_layers
+    )
+
+
 def fit_heads(
     seqs: list[Sequence],
     cfg: TrainConfig,
@@ -285,9 +292,7 @@ def fit_heads(
     per head, and the held-out sequences. lm_weight: the target's LM head in float (before any quantization)."""
     train, val = split(seqs, cfg.val_fraction, cfg.seed)
     vocab_ids = choose_vocab(train, cfg.vocab, target.tokenizer.eos_token_ids)
-    shape = heads_config(
-        cfg.kind, target.model.config, target.name, cfg.fuse_layers, cfg.reads_token, cfg.reads_draft, cfg.block_layers
-    )
+    shape = trained_heads_config(cfg, target.model.config, target.name)
     heads = DraftHeads(shape, vocab_ids)
     if seqs[0].features.shape[1] != heads.cfg.feature_width:
         raise ValueError(
