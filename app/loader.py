@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pipeline.agent import AgentConfig, VoiceAgent, make_transcriber
 from pipeline.tts import make_tts
 from specdec.build import fixed_k
+from specdec.openings import openings_file
 from specdec.quant_cache import early_packing
 
 from . import page
@@ -158,6 +159,7 @@ class ModelLoader:
             "k": e.k,
             "preemptive": c.preemptive,
             "prefill_while_speaking": c.prefill_while_speaking,
-            "opening_echo": not c.llm_url and e.opening_echo and e.draft == "heads",
+            "opening_echo": (echo := not c.llm_url and e.opening_echo and e.draft == "heads"),
+            "opening_guesses": echo and openings_file(e.opening_table, e.target) is not None,
             "first_chunk_words": c.first_chunk_words,
         }

@@ -21,6 +21,7 @@ from specdec.metrics import DEFINITIONS, SpecStats
 from specdec.models import load_model
 from specdec.scheduler import BatchScheduler
 from specdec.timing import timed
+from specdec.tokenizer import words_start
 
 from .options import add_engine_arguments, spec_from_args
 
@@ -130,7 +131,8 @@ def main(args: argparse.Namespace) -> int:
     eos = target.tokenizer.eos_token_ids
     n = args.max_new_tokens
     base_cfg = GenerationConfig(n, speculate=False)
-    spec_cfg = GenerationConfig(n, speculate=True)
+    # every prompt is one user message: its words begin at the same token, where an answer's opening echoes them
+    spec_cfg = GenerationConfig(n, speculate=True, question_start=words_start(target.tokenizer, []))
 
     warm = target.tokenizer.chat_ids([{"role": "user", "content": "Say hi."}])
     prompts = [target.tokenizer.chat_ids([{"role": "user", "content": row["prompt"]}]) for row in rows]

@@ -3,6 +3,7 @@
     specvoice corpus widths      decode tokens/s at each batch width (JSON); the best is what the other stages use
     specvoice corpus requests    the target writes spoken requests; near-duplicates and benchmark overlaps removed
     specvoice corpus answers     the target answers them (greedy, a share sampled), as token ids
+    specvoice corpus openings    the answers' first tokens by how their questions begin (specdec/openings.py), a table
 
 Each stage writes shards into --folder (default assets/corpus, committed); a stopped run resumes at the first missing
 shard. Never benchmark on these requests: they are training data, and the benchmark prompts are kept out of them.
@@ -40,10 +41,12 @@ from specdec.corpus import (
     writing_jobs,
 )
 from specdec.cost_grid import cpu_name
-from specdec.models import LoadedModel, asset_path, load_model, log
+from specdec.models import LoadedModel, asset_path, load_model, load_tokenizer, log
+from specdec.openings import count_openings, default_openings_path
 from specdec.quant import TARGET_QUANTS
 from specdec.quant_layers import cpu_has_amx
 from specdec.runner import BatchRunner
+from specdec.tokenizer import words_start
 
 from .options import positive_int
 
@@ -55,7 +58,7 @@ WRITES_PER_SHARD = 64
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = EngineSpec()
-    parser.add_argument("stage", choices=["widths", "requests", "answers"])
+    parser.add_argument("stage", choices=["widths", "requests", "answers", "openings"])
     parser.add_argument("--target", default=d.target)
     parser.add_argument("--target-quant", default=d.target_quant, choices=list(TARGET_QUANTS))
     parser.add_argument("--dtype", default=d.dtype, choices=list(DTYPES))
@@ -86,6 +89,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     parser.add_argument("--json", default="", help="widths: also write the report here")
+    parser.add_argument(
+        "--openings", default="", help="openings: where the table goes (default: assets/heads/<target>.openings.json)"
+    )
 
 
 def utterance_texts(script: Path = UTTERANCE_TEXTS) -> list[str]:
@@ -122,12 +128,31 @@ def best_width(folder: Path, asked: int) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.stage == "openings":
+        return count_corpus_openings(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     target = load_model(args.target, DTYPES[args.dtype])
     quantize_target(target, args.target_quant)
     compute.release_workers()  # loading is done: this thread's OpenMP workers must not slow the compute thread's
     return compute.run(lambda: run_stage(args, target))  # the argmax and sampling too, not only the forwards
+
+
+def count_corpus_openings(args: argparse.Namespace) -> int:
+    """The opening table of every answer in the folder's answer shards (no model: the tokenizer finds where each
+    prompt's question begins)."""
+    tok = load_tokenizer(args.target)
+    heads = {False: [], True: [{"role": "system", "content": SYSTEM_PROMPT}]}
+    starts = {system: words_start(tok, head) for system, head in heads.items()}
+    paths = sorted((Path(args.folder) / "answers").glob("answers_*.jsonl.gz"))
+    if not paths:
+        raise ValueError(f"no answer shards in {Path(args.folder) / 'answers'}: run `specvoice corpus answers` first")
+    rows = (r for p in paths for r in read_rows(p) if r["answer_ids"])
+    table = count_openings(((r["prompt_ids"][starts[r["system"]] :], r["answer_ids"][0]) for r in rows), args.target)
+    out = Path(args.openings) if args.openings else default_openings_path(args.target)
+    table.save(out)
+    log(f"{len(table.firsts)} question beginnings, {table.answers} answers in {len(paths)} shards: written to {out}")
+    return 0
 
 
 def run_stage(args: argparse.Namespace, target: LoadedModel) -> int:

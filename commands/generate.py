@@ -11,7 +11,7 @@ from specdec.build import build_engine
 from specdec.engine import GenerationConfig
 from specdec.metrics import DEFINITIONS, LOW_ACCEPTANCE_WARNING, SpecStats
 from specdec.sampling import SamplingParams
-from specdec.tokenizer import IncrementalDecoder
+from specdec.tokenizer import IncrementalDecoder, words_start
 
 from .options import add_engine_arguments, spec_from_args
 
@@ -40,7 +40,11 @@ def main(args: argparse.Namespace) -> int:
     ]
     prompt_ids = target.tokenizer.chat_ids(messages) if args.prompt.strip() else []
     config = GenerationConfig(
-        args.max_new_tokens, SamplingParams(args.temperature, args.top_p), args.seed, speculate=args.draft != "none"
+        args.max_new_tokens,
+        SamplingParams(args.temperature, args.top_p),
+        args.seed,
+        speculate=args.draft != "none",
+        question_start=words_start(target.tokenizer, messages[:-1]),
     )
     stats = SpecStats()
     decoder = IncrementalDecoder(target.tokenizer)

@@ -15,7 +15,7 @@ from specdec.metrics import SpecStats
 from specdec.sampling import SamplingParams
 from specdec.scheduler import BatchScheduler
 from specdec.session import EngineSession
-from specdec.tokenizer import IncrementalDecoder, common_prefix_length
+from specdec.tokenizer import IncrementalDecoder, common_prefix_length, words_start
 
 from .turn_end import END_PUNCTUATION, unclosed
 
@@ -185,12 +185,7 @@ class EngineLLM:
         dropped = (len(messages) - len(fitted)) // 2
         if dropped and stats is not None:
             stats.notes.append(f"the oldest {dropped} exchanges dropped to fit the prompt's {self.prompt_room} tokens")
-        return ids, self._words_start(fitted[:-1]), fitted
-
-    def _words_start(self, head: list[dict[str, str]]) -> int:
-        """Where the words of a user message after the messages `head` begin in the chat prompt."""
-        before = [self.tokenizer.chat_ids([*head, {"role": "user", "content": words}]) for words in ("a", "zz")]
-        return common_prefix_length(*before)
+        return ids, words_start(self.tokenizer, fitted[:-1]), fitted
 
     def _fit(self, messages: list[dict[str, str]]) -> tuple[list[dict[str, str]], list[int]]:
         """The messages with the oldest user/assistant exchanges dropped until they fit prompt_room (or none is
@@ -211,7 +206,7 @@ class EngineLLM:
         fitted, _ = self._fit(messages)  # the history the answer keeps, as far as the words so far tell
         head, words = fitted[:-1], fitted[-1]["content"]
         ids = self._through_words(head, words)
-        start = self._words_start(head)
+        start = words_start(self.tokenizer, head)
         if start < len(ids) <= self.prompt_room:
             self.session.prefill(ids)
             self._spoken_prefix = (ids, start)
@@ -223,16 +218,16 @@ class EngineLLM:
         with_words = [self.tokenizer.chat_ids([*head, {"role": "user", "content": words + tail}]) for tail in tails]
         return with_words[0][: common_prefix_length(*with_words)]
 
-    def _end_probe(self, fitted: list[dict[str, str]], prompt: list[int], words_start: int) -> EndProbe | None:
+    def _end_probe(self, fitted: list[dict[str, str]], prompt: list[int], question_start: int) -> EndProbe | None:
         """Where the prompt's last message's words end (without closing punctuation) and the tokens that would end
         the message there: its end token in the chat template, or . ? ! (each when a token of its own). fitted and
-        words_start: the prompt's messages and where their last one's words begin (_prompt's)."""
+        question_start: the prompt's messages and where their last one's words begin (_prompt's)."""
         head, words = fitted[:-1], unclosed(fitted[-1]["content"])
         if not words:
             return None
         ids = self._through_words(head, words)
         alone = self.tokenizer.chat_ids([*head, {"role": "user", "content": words}])
-        if prompt[: len(ids)] != ids or len(alone) <= len(ids) or len(ids) <= words_start:
+        if prompt[: len(ids)] != ids or len(alone) <= len(ids) or len(ids) <= question_start:
             return None
         closers = [self.tokenizer.encode(c) for c in END_PUNCTUATION]
         end_ids = {alone[len(ids)]} | {c[0] for c in closers if len(c) == 1}

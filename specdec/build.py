@@ -26,6 +26,7 @@ from .models import (
     memory_bytes,
     release_free_memory,
 )
+from .openings import load_openings
 from .quant import TARGET_QUANTS, quantize_linears, replace_linears
 from .quant_cache import early_packing, quantized_cache_path
 from .quant_layers import w8a8_layer
@@ -158,6 +159,12 @@ class EngineSpec:
     opening_echo: bool = option(
         True, help="heads draft an answer's opening themselves, instead of from the words of the question"
     )
+    opening_table: str = option(
+        "",
+        help="heads with the opening echo: the answer's first forward verifies first tokens guessed from how the "
+        "question begins, by a table of the target's answers (`specvoice corpus openings`); default: the target's "
+        "shipped table, where it has one; none: no guesses",
+    )
     # in BatchRunner
     compile: bool = option(
         False,
@@ -271,7 +278,10 @@ def heads_drafter_factory(spec: EngineSpec, target: LoadedModel, path: Path) -> 
     if not spec.opening_echo:
         return heads_drafter
     decode = target.tokenizer.decode
-    return lambda: OpeningEchoDrafter(heads_drafter(), decode, target.device)
+    openings = load_openings(spec.opening_table, spec.target)
+    if openings is not None:
+        log(f"opening guesses: {len(openings.firsts)} question beginnings, counted over {openings.answers} answers")
+    return lambda: OpeningEchoDrafter(heads_drafter(), decode, target.device, openings, spec.draft_tree)
 
 
 NOT_MODELS = ("none", "ngram", "heads")  # --draft values that load no draft model

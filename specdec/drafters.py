@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from .kv import PENDING
+from .openings import opening_tree
 from .runner import BatchRunner
 from .sampling import SamplingParams, logits_to_probs, sample
 from .tree import DraftTree
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
 
     from .events import StepEvent
     from .kv import SequenceCache
+    from .openings import OpeningTable
 
 
 @dataclass
@@ -255,12 +257,23 @@ class OpeningEchoDrafter:
     openings too (an answer's tokens 2–9 at 1.51 tokens per forward with them, 1.18 without; the first heads'
     acceptance there was about 0; docs/results.md), and the load-aware K learns openings apart
     (scheduler.OPENING_STEPS) and drops drafts that do not pay.
+
+    openings: with a table (specdec/openings.py), the answer's first forward verifies drafts too: the `width`
+    likeliest first tokens after how the question begins, each continued by the echo, as one draft tree.
     """
 
     OPENING_TOKENS = 8
 
-    def __init__(self, inner: Drafter, decode: Callable[[list[int]], str], device: torch.device) -> None:
+    def __init__(
+        self,
+        inner: Drafter,
+        decode: Callable[[list[int]], str],
+        device: torch.device,
+        openings: OpeningTable | None = None,
+        width: int = 1,
+    ) -> None:
         self.inner, self.device = inner, device
+        self.openings, self.width = openings, width
         self.kind = inner.kind
         self.reads_target_hidden, self.target_layers = inner.reads_target_hidden, inner.target_layers
         self._decode = decode
@@ -279,9 +292,27 @@ class OpeningEchoDrafter:
     ) -> Proposal:
         start = self._prompt_len
         if start is not None and start <= len(context) < start + self.OPENING_TOKENS:
+            if len(context) == start and (guessed := self._guessed(context, k)):
+                return guessed
             if echo := echo_lookup(context, start, k, self._key, self._question_start):
                 return Proposal.of(echo, self.device)
         return self.inner.propose(context, k, params, generator)
+
+    def _guessed(self, prompt: list[int], k: int) -> Proposal | None:
+        """The answer's first tokens guessed from how the question begins, each continued by the echo: a chain for
+        one guess, else a tree of at most k nodes (one-hot candidates: lossless whatever chose them)."""
+        if self.openings is None:
+            return None
+        n = len(prompt)
+        chains = [
+            ([first, *echo_lookup([*prompt, first], n, k, self._key, self._question_start)], share)
+            for first, share in self.openings.guesses(prompt[self._question_start :], self.width)
+        ]
+        if not chains:
+            return None
+        if len(chains) == 1:
+            return Proposal.of(chains[0][0][:k], self.device)
+        return Proposal.of_tree(opening_tree(chains, k, self.device), forwards=0)
 
     def prefill(self, ids: list[int]) -> None:
         self.inner.prefill(ids)

@@ -319,8 +319,17 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.bfloat16, device: s
     check_memory([(name_or_path, estimate_bytes(config, dtype))], dev)
     log(f"loading {name_or_path} ({dtype}, {dev}) …")
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype).to(dev).eval()
-    tok = AutoTokenizer.from_pretrained(source)
-    return LoadedModel(name_or_path, model, HFTokenizer(tok), dev, dtype)
+    return LoadedModel(name_or_path, model, HFTokenizer(AutoTokenizer.from_pretrained(source)), dev, dtype)
+
+
+def load_tokenizer(name_or_path: str) -> Tokenizer:
+    """A model's tokenizer alone (a preset's offline copy made on first use, as load_model would)."""
+    source, preset = resolve_source(name_or_path)
+    if preset is not None and preset.tiny_random_seed is not None:
+        return ByteTokenizer()
+    from transformers import AutoTokenizer
+
+    return HFTokenizer(AutoTokenizer.from_pretrained(source))
 
 
 @functools.cache

@@ -97,8 +97,13 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
+def words_start(tokenizer: Tokenizer, head: list[dict[str, str]]) -> int:
+    """Where the words of a user message that follows the messages `head` begin in its chat prompt."""
+    a, b = (tokenizer.chat_ids([*head, {"role": "user", "content": words}]) for words in ("a", "zz"))
+    return common_prefix_length(a, b)
+
+
 def shared_prefix_ids(tokenizer: Tokenizer, system: str) -> list[int]:
     """Tokens that every conversation with this system prompt starts with (worth caching once)."""
-    a = tokenizer.chat_ids([{"role": "system", "content": system}, {"role": "user", "content": "a"}])
-    b = tokenizer.chat_ids([{"role": "system", "content": system}, {"role": "user", "content": "zz"}])
-    return a[: common_prefix_length(a, b)]
+    head = [{"role": "system", "content": system}]
+    return tokenizer.chat_ids([*head, {"role": "user", "content": "a"}])[: words_start(tokenizer, head)]

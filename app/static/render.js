@@ -68,7 +68,7 @@ function renderStatus() {
     text = `Ready — LLM ${e.llm}, K ${e.k}; ASR ${e.asr}; TTS ${e.tts}; ${st.end_of_turn}; `
       + (e.preemptive ? 'answers start at the pause; ' : '')
       + (e.prefill_while_speaking ? 'prefill while speaking; ' : '')
-      + (e.opening_echo ? 'openings drafted from the question; ' : '')
+      + (e.opening_echo ? `openings ${e.opening_guesses ? 'guessed and ' : ''}drafted from the question; ` : '')
       + `first chunk ≤ ${e.first_chunk_words} words; loaded and warmed up in ${fmt(st.load_s, 1)} s`;
     cls = 'ready';
     progress = 1;

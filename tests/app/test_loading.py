@@ -219,13 +219,26 @@ def test_gradio_is_imported_without_rewriting_its_type_stubs():
     assert out == ["app.page", "Blocks", before.stdout.decode().strip()]
 
 
-def test_the_page_says_whether_openings_are_drafted_from_the_question():
+def _described(**engine) -> dict:
+    """ModelLoader.describe() of the default config with some engine fields changed."""
     import dataclasses
 
+    config = AgentConfig()
+    return ModelLoader(dataclasses.replace(config, engine=dataclasses.replace(config.engine, **engine))).describe()
+
+
+def test_the_page_says_whether_openings_are_drafted_from_the_question():
     def says(**engine) -> bool:
-        config = AgentConfig()
-        config = dataclasses.replace(config, engine=dataclasses.replace(config.engine, **engine))
-        return ModelLoader(config).describe()["opening_echo"]
+        return _described(**engine)["opening_echo"]
 
     assert says() and says(draft="heads")  # the default: the shipped heads, echoing the question at an opening
     assert not says(opening_echo=False) and not says(draft="ngram") and not says(draft="qwen-0.5b")
+
+
+def test_the_page_says_whether_openings_are_guessed_from_the_shipped_table(tmp_path):
+    def guesses(**engine) -> bool:
+        return _described(**engine)["opening_guesses"]
+
+    assert guesses()  # the default target ships its table
+    assert not guesses(opening_table="none") and not guesses(opening_echo=False) and not guesses(draft="ngram")
+    assert guesses(opening_table=str(tmp_path / "any.json"))  # a file asked for by name: its absence fails the load

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from specdec import sampling
+from specdec.openings import opening_tree
 from specdec.sampling import multi_candidate_verdict
 from specdec.tree import ROOT, DraftTree, build_tree, draw_tree
 from tests.support.stats import chi2_pvalue
@@ -103,6 +104,18 @@ def top_k(toy: Toy, context: tuple[int, ...], g: torch.Generator) -> DraftTree:
     return build_tree(expand, top_k=3, max_depth=3, max_nodes=6)
 
 
+def opening(toy: Toy, context: tuple[int, ...], g: torch.Generator) -> DraftTree:
+    """An opening's guesses (specdec/openings.py): the toy q's top three, each continued by q's two likeliest next
+    tokens in a row, as opening_tree ranks them, five nodes kept. Deterministic candidates: verified with q = None."""
+    chains = []
+    for guess, share in zip(*toy.q(context).topk(3)):
+        chain = [int(guess)]
+        for _ in range(2):
+            chain.append(int(toy.q(context + tuple(chain)).argmax()))
+        chains.append((chain, float(share)))
+    return opening_tree(chains, 5, torch.device("cpu"))
+
+
 def without_q(make: MakeTree) -> MakeTree:
     """Sampled children verified as deterministic candidates (q = None): still lossless, since trying fixed
     candidates one-hot by one-hot is exact sampling from p whatever chose them; only the acceptance is lower."""
@@ -146,6 +159,7 @@ KINDS: dict[str, MakeTree] = {
     "sampled-3-2-1": sampled((3, 2, 1)),  # 15 nodes, three deep
     "sampled-wide-5": sampled((5,)),  # five of the six tokens at the root: the without-replacement updates matter
     "top-k": top_k,
+    "opening": opening,
     "sampled-as-deterministic": without_q(sampled((3, 2, 1))),
 }
 
@@ -200,10 +214,11 @@ def test_the_check_catches_a_broken_tree_verdict(monkeypatch, broken):
     assert pvalues(toy, pairs)[1] < P_FAIL
 
 
-def test_the_check_catches_a_broken_residual_on_a_top_k_tree(monkeypatch):
+@pytest.mark.parametrize("kind", ["top-k", "opening"])
+def test_the_check_catches_a_broken_residual_on_a_deterministic_tree(monkeypatch, kind):
     toy = Toy(1)
     monkeypatch.setattr(sampling, "residual_distribution", residual_is_p)
-    (pairs,) = first_pairs([toy], [top_k], N_ANSWERS, seed=0)
+    (pairs,) = first_pairs([toy], [KINDS[kind]], N_ANSWERS, seed=0)
     assert pvalues(toy, pairs)[1] < P_FAIL
 
 
