@@ -12,7 +12,6 @@ only costs its rows in the forward.
 from __future__ import annotations
 
 import json
-import math
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ from pathlib import Path
 import torch
 
 from .models import asset_path
-from .tree import ROOT, DraftTree
+from .tree import ROOT, DraftTree, keep_best
 
 MAX_PREFIX = 4  # question tokens a guess may condition on: 4 guessed best of 1–4 on held-out corpus answers
 MIN_COUNT = 3  # answers a prefix needs before its counts are trusted; a shorter prefix answers otherwise
@@ -78,24 +77,18 @@ def count_openings(examples: Iterable[tuple[Sequence[int], int]], target: str) -
 
 
 def opening_tree(chains: Sequence[tuple[Sequence[int], float]], max_nodes: int, device: torch.device) -> DraftTree:
-    """Guessed openings (each a guess and its echo, with the guess's share) as one draft tree of at most max_nodes
-    nodes: the nodes best by share × ECHO_KEPT^(depth − 1), each chain a branch from the root, in the tree's
-    topological order (specdec/tree.py). A node's score is below its parent's, so a kept node's parent is kept."""
-    scored = [
-        (share * ECHO_KEPT**d, d, c, token)
-        for c, (tokens, share) in enumerate(chains)
-        for d, token in enumerate(tokens)
-    ]
-    kept = sorted(scored, key=lambda s: -s[0])[:max_nodes]  # stable: equal scores keep the chains' order
-    kept.sort(key=lambda s: (s[1], s[2]))  # depth by depth, chains in order
-    index = {(c, d): i for i, (_, d, c, _) in enumerate(kept)}
-    parents = [ROOT if d == 0 else index[(c, d - 1)] for _, d, c, _ in kept]
-    return DraftTree(
-        torch.tensor([t for *_, t in kept], dtype=torch.long, device=device),
-        torch.tensor(parents, dtype=torch.long, device=device),
-        torch.tensor([d + 1 for _, d, _, _ in kept], dtype=torch.long, device=device),
-        scores=torch.tensor([math.log(s) for s, *_ in kept], device=device),
+    """Guessed openings (each a guess and its echo, with the guess's share) as one draft tree, each chain a branch
+    from the root, scored log(share × ECHO_KEPT^(depth − 1)); tree.keep_best keeps its max_nodes best nodes."""
+    depth = max(len(tokens) for tokens, _ in chains)
+    nodes = [(c, d) for d in range(depth) for c, (tokens, _) in enumerate(chains) if d < len(tokens)]  # depth by depth
+    index = {node: i for i, node in enumerate(nodes)}
+    tree = DraftTree(
+        torch.tensor([chains[c][0][d] for c, d in nodes], dtype=torch.long, device=device),
+        torch.tensor([ROOT if d == 0 else index[c, d - 1] for c, d in nodes], dtype=torch.long, device=device),
+        torch.tensor([d + 1 for _, d in nodes], dtype=torch.long, device=device),
+        scores=torch.tensor([chains[c][1] * ECHO_KEPT**d for c, d in nodes], device=device).log(),
     )
+    return keep_best(tree, max_nodes)
 
 
 def default_openings_path(target: str) -> Path:
