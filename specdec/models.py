@@ -312,19 +312,23 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.bfloat16, device: s
     source, preset = resolve_source(name_or_path)
     if preset is not None and preset.tiny_random_seed is not None:
         model = build_tiny_random(preset.tiny_random_seed or None).to(dev)
-        return LoadedModel(preset.name, model, ByteTokenizer(), dev, torch.float32)
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+        return LoadedModel(preset.name, model, _tokenizer(source, preset), dev, torch.float32)
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(source)
     check_memory([(name_or_path, estimate_bytes(config, dtype))], dev)
     log(f"loading {name_or_path} ({dtype}, {dev}) …")
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype).to(dev).eval()
-    return LoadedModel(name_or_path, model, HFTokenizer(AutoTokenizer.from_pretrained(source)), dev, dtype)
+    return LoadedModel(name_or_path, model, _tokenizer(source, preset), dev, dtype)
 
 
 def load_tokenizer(name_or_path: str) -> Tokenizer:
     """A model's tokenizer alone (a preset's offline copy made on first use, as load_model would)."""
-    source, preset = resolve_source(name_or_path)
+    return _tokenizer(*resolve_source(name_or_path))
+
+
+def _tokenizer(source: str, preset: Preset | None) -> Tokenizer:
+    """The tokenizer of what resolve_source found: bytes for the tiny random presets, else the model's own."""
     if preset is not None and preset.tiny_random_seed is not None:
         return ByteTokenizer()
     from transformers import AutoTokenizer
