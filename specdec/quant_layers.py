@@ -150,10 +150,16 @@ class FbgemmW8A8Linear(RowW8A8LinearBase):
     """W8A8 on fbgemm's dynamic int8 GEMM, made row-independent: the layer for CPUs without AMX.
 
     fbgemm quantizes activations with one scale for the whole tensor, taken from its min and max, so a row's
-    result would depend on the other rows fed with it. Here each row is divided by its own max |x| first and two
-    constant inputs, +1 and -1 (against zero weight columns, so they add nothing), pin the tensor's range to
-    exactly [-1, 1]: every call quantizes with the same scale, each row at its own resolution, and int32 sums
-    are exact in any order. The row's scale is multiplied back afterwards.
+    result would depend on the other rows fed with it. Here each row is divided by its own scale first and two
+    constant inputs (against zero weight columns, so they add nothing) pin the tensor's range: every call quantizes
+    with the same scale and zero point, each row at its own resolution, and int32 sums are exact in any order. The
+    row's scale is multiplied back afterwards.
+
+    With AVX-512 VNNI, fbgemm sums int8 products straight into int32, so activations keep 8 bits: rows are divided
+    by max |x| / 127 and the pins, +127 and -128, make fbgemm's scale exactly 1 and its zero point 128. That is
+    OneDNNW8A8Linear's quantization, the same outputs bit for bit: the target's Linear layers compute the same on a
+    CPU with AMX and on one without (the heads were trained on AMX's). Without VNNI, fbgemm's 16-bit pair sums
+    could saturate at 8 bits: activations keep 7 bits there (reduce_range; rows ÷ max |x|, pins ±1).
 
     A layer of more than PACK_ROWS output rows (an LM head) is packed in slices of at most that many: fbgemm's
     packing time grows faster than its size (the 1.5B's 151936-row head: 6.1 s whole, 0.4 s for each quarter), and
@@ -161,11 +167,13 @@ class FbgemmW8A8Linear(RowW8A8LinearBase):
     each forward's 8.5 ms head (measured, docs/results.md).
     """
 
-    _RANGE_PINS = torch.tensor([[1.0, -1.0]])
     PACK_ROWS = 40_000
 
     def _pack(self, qweight: torch.Tensor, scale: torch.Tensor) -> None:
-        pinned = torch.cat([qweight, qweight.new_zeros(len(qweight), self._RANGE_PINS.shape[1])], dim=1)
+        self.eight_bits = cpu_has("avx512_vnni")
+        self._levels = 127.0 if self.eight_bits else 1.0  # a row's max |x| becomes this
+        self._pins = torch.tensor([[127.0, -128.0]] if self.eight_bits else [[1.0, -1.0]])
+        pinned = torch.cat([qweight, qweight.new_zeros(len(qweight), self._pins.shape[1])], dim=1)
         slices = -(-len(pinned) // self.PACK_ROWS)
         rows = -(-len(pinned) // slices)  # even slices
         self._packed: list[tuple[int, int, torch.ScriptObject]] = []
@@ -180,12 +188,15 @@ class FbgemmW8A8Linear(RowW8A8LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).float()
-        row_scale = flat.abs().amax(dim=1, keepdim=True).clamp(min=1e-8)
-        pinned = torch.cat([flat / row_scale, self._RANGE_PINS.expand(len(flat), -1)], dim=1)
+        row_scale = flat.abs().amax(dim=1, keepdim=True).clamp(min=1e-8) / self._levels
+        scaled = flat / row_scale
+        if self.eight_bits:  # rounded here, as oneDNN's layer does: fbgemm adds its zero point first, in float32,
+            scaled = scaled.round_()  # which moves values a float step from .5 onto it
+        pinned = torch.cat([scaled, self._pins.expand(len(flat), -1)], dim=1)
         y = flat.new_empty(len(flat), self.out_features)
+        reduce_range = not self.eight_bits
         for start, end, packed in self._packed:
-            # reduce_range: 7-bit activations, so fbgemm's 16-bit pair sums cannot saturate on CPUs without VNNI
-            torch.mul(torch.ops.quantized.linear_dynamic(pinned, packed, True), row_scale, out=y[:, start:end])
+            torch.mul(torch.ops.quantized.linear_dynamic(pinned, packed, reduce_range), row_scale, out=y[:, start:end])
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)

@@ -4,6 +4,7 @@
 import pytest
 import torch
 
+from specdec import quant_layers
 from specdec.build import build_engine
 from specdec.engine import GenerationConfig, collect
 from specdec.quant import TARGET_QUANTS, quantize_linears
@@ -15,6 +16,8 @@ from specdec.quant_layers import (
     Int8WeightOnlyLinear,
     OneDNNW8A8Linear,
     RowW8A8LinearBase,
+    cpu_has,
+    int8_rows,
 )
 from specdec.runner import BatchRunner
 from tests.support.engine import cpu_only
@@ -66,6 +69,52 @@ def test_w8a8_row_scale_is_per_row(layer_type):
     big = x.clone()
     big[1] *= 1000
     assert torch.equal(layer(x)[0], layer(big)[0])
+
+
+@pytest.mark.skipif(not cpu_has("avx512_vnni"), reason="fbgemm keeps 8-bit activations only with AVX-512 VNNI")
+def test_fbgemm_with_vnni_computes_what_onednn_computes_bit_for_bit():
+    """With VNNI both w8a8 kernels quantize a row alike (8 bits, zero point 128), so a target's Linear layers give
+    the same values on a CPU with AMX (oneDNN) and on one without (fbgemm): heads trained on one hold on the other."""
+    linear = _linear(torch.float32)
+    fbgemm, onednn = FbgemmW8A8Linear(linear), OneDNNW8A8Linear(linear)
+    assert fbgemm.eight_bits
+    x = torch.randn(9, 256) * torch.logspace(-3, 3, 9)[:, None]
+    # a row whose scale is 1, with a value a float step below 37.5: rounded after a zero point of 128 is added in
+    # float32 (fbgemm's own quantization) it would become 38, not 37
+    x[0, :2] = torch.tensor([127.0, torch.nextafter(torch.tensor(37.5), torch.tensor(0.0))])
+    x[0, 2:] = x[0, 2:].clamp(-100, 100)
+    assert torch.equal(fbgemm(x), onednn(x))
+    assert torch.equal(fbgemm(x[None, 2:7]), onednn(x[None, 2:7]))
+
+
+@pytest.mark.skipif(not cpu_has("avx512_vnni"), reason="fbgemm keeps 8-bit activations only with AVX-512 VNNI")
+def test_fbgemm_with_vnni_sums_exactly_where_16_bit_pair_sums_would_saturate():
+    """Every input at its row's max and every weight at 127: 8-bit activations overflow the 16-bit pair sums of
+    fbgemm's kernels without VNNI. Where the CPU reports VNNI, fbgemm must sum in int32 and give the exact product."""
+    linear = torch.nn.Linear(256, 8, bias=False)
+    with torch.no_grad():
+        linear.weight.fill_(0.5)
+    qweight, scale = int8_rows(linear.weight)
+    assert int(qweight.min()) == 127
+    layer = FbgemmW8A8Linear(linear)
+    for sign in (1.0, -1.0):
+        x = torch.full((2, 256), 3.0 * sign)
+        exact = (x.double() @ (qweight.double() * scale.double()[:, None]).T).float()
+        assert torch.allclose(layer(x), exact, rtol=1e-6), sign
+
+
+def test_fbgemm_without_vnni_keeps_7_bit_activations_rows_independent(monkeypatch):
+    """A CPU without AVX-512 VNNI (reduce_range): a row's output still does not depend on the others fed with it."""
+    monkeypatch.setattr(quant_layers, "cpu_has", lambda flag: False)
+    linear = _linear(torch.float32)
+    layer = FbgemmW8A8Linear(linear)
+    assert not layer.eight_bits
+    x = torch.randn(17, 256)
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(len(x))])
+    assert torch.equal(layer(x), alone)
+    want = linear(x).detach()
+    assert float((alone - want).norm() / want.norm()) < 0.02
+    assert not torch.equal(alone, OneDNNW8A8Linear(linear)(x))  # 7 bits are not oneDNN's 8
 
 
 def test_a_layer_packed_in_slices_gives_the_same_outputs_as_one_packed_whole(monkeypatch):
@@ -278,7 +327,6 @@ def test_only_a_large_model_gets_a_quantized_cache_file(tiny_engine):
 def test_the_cache_key_names_the_w8a8_layers_as_before_they_were_renamed(monkeypatch):
     """The layer's name goes into the cache file's key: a class renamed must not rename the file, or every user
     would quantize the target again."""
-    from specdec import quant_layers
     from specdec.quant_cache import key_layer_name
 
     monkeypatch.setattr(quant_layers, "cpu_has_amx", lambda: True)
