@@ -117,6 +117,12 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def layer_format(linear: torch.nn.Module) -> str:
+    """A Linear's kernel, as a forward's time depends on it: its class, and "/8-bit" for fbgemm's w8a8 at 8-bit
+    activations (where the CPU has VNNI), whose forwards cost a little more than the 7-bit ones measured before it."""
+    return type(linear).__name__ + ("/8-bit" if getattr(linear, "eight_bits", False) else "")
+
+
 def runner_key(runner: BatchRunner, model: str) -> dict:
     """Everything a forward's time depends on: the machine, the model and its format, torch."""
     layer = runner.layers[0]
@@ -128,7 +134,7 @@ def runner_key(runner: BatchRunner, model: str) -> dict:
         "torch": torch.__version__,
         "device": device.type,
         "model": model,
-        "format": f"{type(layer.mlp.down_proj).__name__}/{runner.dtype}{'/fused' if runner.fused else ''}",
+        "format": f"{layer_format(layer.mlp.down_proj)}/{runner.dtype}{'/fused' if runner.fused else ''}",
         "exact_rows": runner.exact_rows,
     }
 
@@ -157,9 +163,11 @@ def _cached(prefix: str, field: str, key: dict, measure: Callable[[], Any]) -> t
     return value, False
 
 
-def cached_forward_costs(engine: SpeculativeEngine, trials: int = 1) -> tuple[ForwardCosts, bool]:
+def cached_forward_costs(engine: SpeculativeEngine, trials: int = 3) -> tuple[ForwardCosts, bool]:
     """The grid for this engine from the cache, or measured now and stored; and whether it came from the cache.
-    A grid measured once on a machine stands for it: the load-aware K needs its shape more than its last percent."""
+    A grid measured once on a machine stands for it, so each shape is the median of `trials`: with one, a slow spell
+    during an app's warm-up set five tokens at 1.7× one for good on an AMD EPYC, where alone it is 1.2×, and the
+    load-aware K drafted ~1 a step (docs/results.md)."""
     measure = lambda: measure_forward_costs(engine, trials=trials).as_dict()  # noqa: E731
     value, cached = _cached("", "costs", grid_key(engine), measure)
     return ForwardCosts.from_dict(value), cached

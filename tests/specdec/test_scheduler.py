@@ -9,8 +9,14 @@ import threading
 import pytest
 import torch
 
-from specdec import compute
-from specdec.cost_grid import ForwardCosts, cached_forward_costs, cached_min_feed, measure_forward_costs
+from specdec import compute, quant_layers
+from specdec.cost_grid import (
+    ForwardCosts,
+    cached_forward_costs,
+    cached_min_feed,
+    layer_format,
+    measure_forward_costs,
+)
 from specdec.drafters import DraftModelDrafter, Proposal
 from specdec.engine import GenerationConfig, StepEvent, collect
 from specdec.kv import PENDING
@@ -268,6 +274,18 @@ def test_the_grid_is_measured_once_per_machine_model_and_format(tiny_engine, tmp
     for path in (tmp_path / "forward-costs").iterdir():
         path.write_text("{torn")  # a torn file is measured again, not a crash
     assert cached_forward_costs(engine)[1] is False and len(measured) == 3
+
+
+def test_fbgemm_at_8_bits_is_timed_apart_from_7_bits(monkeypatch):
+    """fbgemm's w8a8 at 8-bit activations costs a little more: a grid or width timed at 7 bits (the cache files made
+    before 8 bits, whose key stays) is not its own."""
+    linear = torch.nn.Linear(64, 32)
+    monkeypatch.setattr(quant_layers, "cpu_has", lambda flag: False)
+    seven = quant_layers.FbgemmW8A8Linear(linear)
+    monkeypatch.setattr(quant_layers, "cpu_has", lambda flag: flag == "avx512_vnni")
+    eight = quant_layers.FbgemmW8A8Linear(linear)
+    assert layer_format(seven) == "FbgemmW8A8Linear" and layer_format(linear) == "Linear"
+    assert layer_format(eight) == "FbgemmW8A8Linear/8-bit"
 
 
 def test_the_one_token_width_is_timed_once_per_machine_model_and_format(tiny_engine, tmp_path, monkeypatch):
