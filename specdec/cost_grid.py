@@ -20,6 +20,7 @@ import torch
 from .engine import SpeculativeEngine
 from .kv import Feed
 from .models import cache_dir
+from .quant_layers import kernel_format
 from .quant_smooth import CALIBRATION_TEXT
 from .runner import BatchRunner, fastest_min_feed
 from .timing import median_seconds
@@ -117,12 +118,6 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def layer_format(linear: torch.nn.Module) -> str:
-    """A Linear's kernel, as a forward's time depends on it: its class, and "/8-bit" for fbgemm's w8a8 at 8-bit
-    activations (where the CPU has VNNI), whose forwards cost a little more than the 7-bit ones measured before it."""
-    return type(linear).__name__ + ("/8-bit" if getattr(linear, "eight_bits", False) else "")
-
-
 def runner_key(runner: BatchRunner, model: str) -> dict:
     """Everything a forward's time depends on: the machine, the model and its format, torch."""
     layer = runner.layers[0]
@@ -134,7 +129,7 @@ def runner_key(runner: BatchRunner, model: str) -> dict:
         "torch": torch.__version__,
         "device": device.type,
         "model": model,
-        "format": f"{layer_format(layer.mlp.down_proj)}/{runner.dtype}{'/fused' if runner.fused else ''}",
+        "format": f"{kernel_format(layer.mlp.down_proj)}/{runner.dtype}{'/fused' if runner.fused else ''}",
         "exact_rows": runner.exact_rows,
     }
 

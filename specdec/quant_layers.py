@@ -102,6 +102,13 @@ class RowW8A8LinearBase(torch.nn.Module):
     def _pack(self, qweight: torch.Tensor, scale: torch.Tensor) -> None:
         raise NotImplementedError
 
+    @staticmethod
+    def _rows_scaled(flat: torch.Tensor, levels: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(each row's scale, the rows divided by it): a row's max |x| becomes `levels`. Both layers scale rows here,
+        so their 8-bit rows are the same numbers."""
+        row_scale = flat.abs().amax(dim=1, keepdim=True).clamp(min=1e-8) / levels
+        return row_scale, flat / row_scale
+
 
 class OneDNNW8A8Linear(RowW8A8LinearBase):
     """W8A8 on oneDNN's prepacked int8 matmul, rows independent: the layer for CPUs with AMX.
@@ -121,9 +128,9 @@ class OneDNNW8A8Linear(RowW8A8LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).float()
-        row_scale = flat.abs().amax(dim=1, keepdim=True).clamp(min=1e-8) / 127.0
+        row_scale, scaled = self._rows_scaled(flat, 127.0)
         # symmetric int8 stored as uint8 around zero point 128, which the kernel takes for activations
-        q = torch.round(flat / row_scale).add_(128).to(torch.uint8)
+        q = scaled.round_().add_(128).to(torch.uint8)
         y = _onednn_int8_matmul(q, self._packed, self._scale, self._zero).mul_(row_scale)
         if self.bias is not None:  # after the row's scale, which the kernel's own bias would be multiplied by
             y = y + self.bias
@@ -188,8 +195,7 @@ class FbgemmW8A8Linear(RowW8A8LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).float()
-        row_scale = flat.abs().amax(dim=1, keepdim=True).clamp(min=1e-8) / self._levels
-        scaled = flat / row_scale
+        row_scale, scaled = self._rows_scaled(flat, self._levels)
         if self.eight_bits:  # rounded here, as oneDNN's layer does: fbgemm adds its zero point first, in float32,
             scaled = scaled.round_()  # which moves values a float step from .5 onto it
         pinned = torch.cat([scaled, self._pins.expand(len(flat), -1)], dim=1)
@@ -200,6 +206,12 @@ class FbgemmW8A8Linear(RowW8A8LinearBase):
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+
+def kernel_format(linear: torch.nn.Module) -> str:
+    """A Linear's kernel, as a forward's time depends on it: its class, and "/8-bit" for fbgemm's w8a8 at 8-bit
+    activations (where the CPU has VNNI), whose forwards cost a little more than the 7-bit ones timed before it."""
+    return type(linear).__name__ + ("/8-bit" if isinstance(linear, FbgemmW8A8Linear) and linear.eight_bits else "")
 
 
 def cpu_has(flag: str) -> bool:

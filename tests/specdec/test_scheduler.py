@@ -14,7 +14,6 @@ from specdec.cost_grid import (
     ForwardCosts,
     cached_forward_costs,
     cached_min_feed,
-    layer_format,
     measure_forward_costs,
 )
 from specdec.drafters import DraftModelDrafter, Proposal
@@ -284,8 +283,8 @@ def test_fbgemm_at_8_bits_is_timed_apart_from_7_bits(monkeypatch):
     seven = quant_layers.FbgemmW8A8Linear(linear)
     monkeypatch.setattr(quant_layers, "cpu_has", lambda flag: flag == "avx512_vnni")
     eight = quant_layers.FbgemmW8A8Linear(linear)
-    assert layer_format(seven) == "FbgemmW8A8Linear" and layer_format(linear) == "Linear"
-    assert layer_format(eight) == "FbgemmW8A8Linear/8-bit"
+    assert quant_layers.kernel_format(seven) == "FbgemmW8A8Linear" and quant_layers.kernel_format(linear) == "Linear"
+    assert quant_layers.kernel_format(eight) == "FbgemmW8A8Linear/8-bit"
 
 
 def test_the_one_token_width_is_timed_once_per_machine_model_and_format(tiny_engine, tmp_path, monkeypatch):
