@@ -17,7 +17,7 @@ from .kv import PENDING
 from .openings import opening_tree
 from .runner import BatchRunner
 from .sampling import SamplingParams, logits_to_probs, sample
-from .tree import DraftTree
+from .tree import DraftTree, keep_best
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -34,11 +34,18 @@ class Proposal:
     probs: torch.Tensor | None  # (K, V) draft distribution q, or None when the drafter is deterministic
     forwards: int  # draft forward passes spent (0 for n-gram)
     tree: DraftTree | None = None  # the drafts are this tree's nodes (tokens = tree.tokens), verified as a tree
+    # (K,) by rank (a chain's order; a tree's by score, tree.node_ranks): the drafter's probability that the draft
+    # lies on the target's path (a tree node: its path probability; a chain's i-th: the product of the top
+    # probabilities up to i), what the load-aware K keeps drafts by (best); None where the drafter has none
+    confidence: torch.Tensor | None = None
 
     @classmethod
     def of_tree(cls, tree: DraftTree, forwards: int) -> Proposal:
         """A draft tree's nodes, all verified (specdec/tree.py)."""
-        return cls(tree.tokens, torch.tensor(len(tree), device=tree.tokens.device), tree.q, forwards, tree)
+        confidence = None
+        if tree.q is None and tree.scores is not None:
+            confidence = tree.scores.exp().sort(descending=True).values
+        return cls(tree.tokens, torch.tensor(len(tree), device=tree.tokens.device), tree.q, forwards, tree, confidence)
 
     @classmethod
     def of(cls, tokens: list[int], device: torch.device) -> Proposal:
@@ -57,7 +64,28 @@ class Proposal:
     ) -> Proposal:
         """Drafts chosen position by position (choose_drafts), counted up to the confidence gate (confident_count)."""
         q = torch.cat(probs) if probs else None
-        return cls(torch.cat(drafts), confident_count(torch.cat(tops), min_prob), q, forwards)
+        top = torch.cat(tops)
+        return cls(torch.cat(drafts), confident_count(top, min_prob), q, forwards, confidence=top.float().cumprod(0))
+
+    def best(self, n: int) -> Proposal:
+        """The n drafts of best rank, verified as this proposal's first n would be: a chain's first n, a tree's n
+        nodes of highest score (tree.keep_best: every kept node's path is kept). Lossless as any gate is: what is
+        kept depends on the drafter's own values, never on the target's. A sampled tree (q given) cannot be cut:
+        its children were drawn for the shape it has."""
+        if n >= len(self.tokens):
+            return self
+        confidence = None if self.confidence is None else self.confidence[:n]
+        if self.tree is None:
+            q = None if self.probs is None else self.probs[:n]
+            return replace(
+                self, tokens=self.tokens[:n], proposed=self.proposed.clamp_max(n), probs=q, confidence=confidence
+            )
+        if self.tree.q is not None:
+            raise ValueError("a sampled draft tree is verified whole (tree.draw_tree)")
+        if n == 0:
+            return replace(Proposal.of([], self.tokens.device), forwards=self.forwards)
+        tree = keep_best(self.tree, n)
+        return replace(self, tokens=tree.tokens, proposed=self.proposed.clamp_max(n), tree=tree, confidence=confidence)
 
 
 class Drafter(Protocol):

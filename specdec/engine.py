@@ -1,13 +1,14 @@
-"""The speculative step, for one answer or a batch: plan K → draft → one verifying forward → accept → roll back →
-observe. `SpeculativeEngine.step` is the whole algorithm; `stream` loops it for one answer, and the BatchScheduler
-for many. Acceptance runs on the device and the step's results are read back once."""
+"""The speculative step, for one answer or a batch: plan K → draft → (a load-aware scheduler keeps the drafts worth
+their rows) → one verifying forward → accept → roll back → observe. `SpeculativeEngine.step` is the whole algorithm;
+`stream` loops it for one answer, and the BatchScheduler for many. Acceptance runs on the device and the step's
+results are read back once."""
 
 from __future__ import annotations
 
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -52,6 +53,9 @@ class EndProbe:
 
 
 Chunks = Sequence[tuple["Answer", int]]  # prompts read in chunks (chunked prefill): (answer, its context's end)
+# the live answers' proposals (None: no drafts) -> how many of each to verify (None: all): a load-aware choice made
+# once every answer has drafted, from what each drafter is sure of this step
+Cut = Callable[[list[Proposal | None]], list[int | None]]
 
 
 @dataclass
@@ -185,16 +189,23 @@ class SpeculativeEngine:
                 return
 
     def step(
-        self, answers: list[Answer], k_caps: list[int | None] | None = None, chunks: Chunks = ()
+        self,
+        answers: list[Answer],
+        k_caps: list[int | None] | None = None,
+        chunks: Chunks = (),
+        cut: Cut | None = None,
     ) -> list[StepEvent]:
         """One step of every answer, all verified in one target forward. k_caps: a load-aware scheduler's K per
         answer (None: the answer's own K policy and governor decide). chunks: (answer, end), a prompt read in chunks:
-        the forward feeds its context up to end, and it emits nothing. A cancelled answer gets its last event
-        without a forward; a failing forward raises (every answer in it fails; their caches were reset). Runs on the
-        compute thread (specdec/compute.py)."""
-        return compute.run(lambda: self._step(answers, k_caps, chunks))
+        the forward feeds its context up to end, and it emits nothing. cut: given the live answers' proposals, how
+        many of each to verify (Proposal.best; None: all), once every answer has drafted. A cancelled answer gets its
+        last event without a forward; a failing forward raises (every answer in it fails; their caches were reset).
+        Runs on the compute thread (specdec/compute.py)."""
+        return compute.run(lambda: self._step(answers, k_caps, chunks, cut))
 
-    def _step(self, answers: list[Answer], k_caps: list[int | None] | None, chunks: Chunks) -> list[StepEvent]:
+    def _step(
+        self, answers: list[Answer], k_caps: list[int | None] | None, chunks: Chunks, cut: Cut | None
+    ) -> list[StepEvent]:
         caps = k_caps or [None] * len(answers)
         events: list[StepEvent | None] = [None] * len(answers)
         live = []
@@ -205,7 +216,7 @@ class SpeculativeEngine:
             else:
                 live.append((i, answer, cap))
         if live or chunks:
-            self._verify(live, events, chunks)
+            self._verify(live, events, chunks, cut)
         done_t = time.perf_counter()
         for event in events:
             assert event is not None
@@ -213,10 +224,18 @@ class SpeculativeEngine:
         return events  # type: ignore[return-value]
 
     def _verify(
-        self, live: list[tuple[int, Answer, int | None]], events: list[StepEvent | None], chunks: Chunks
+        self,
+        live: list[tuple[int, Answer, int | None]],
+        events: list[StepEvent | None],
+        chunks: Chunks,
+        cut: Cut | None,
     ) -> None:
-        """Draft for every live answer, verify all (and feed the chunks) in one forward, read once, conclude each."""
+        """Draft for every live answer, keep what `cut` says, verify all (and feed the chunks) in one forward, read
+        once, conclude each."""
         drafts = [self._draft(answer, len(live), cap) for _, answer, cap in live]
+        if cut is not None:
+            keep = cut([d.proposal for d in drafts])
+            drafts = [d if n is None or d.proposal is None else self._kept(d, n) for d, n in zip(drafts, keep)]
         probes = [self._probe_rows(a) for _, a, _ in live]
         feeds = [
             Feed(a.cache, a.ctx, (probe or 0) + self._n_rows(d), self._draft_tokens(d), self._draft_tree(d))
@@ -243,6 +262,11 @@ class SpeculativeEngine:
             if end is not None:
                 event.end_of_message_probability, answer.end_probe = float(end), None
             events[i] = event
+
+    @staticmethod
+    def _kept(draft: _Draft, n: int) -> _Draft:
+        proposal = draft.proposal.best(n) if draft.proposal is not None else None
+        return replace(draft, k_chosen=min(draft.k_chosen, n), proposal=proposal)
 
     @staticmethod
     def _probe_rows(answer: Answer) -> int | None:

@@ -64,9 +64,11 @@ DEFINITIONS: dict[str, str] = {
     "of its speculation-off turns, each at the load it ran under",
     "batch_size": "sequences whose steps shared one target forward (continuous batching: every active conversation, "
     "the app's simulated background conversations included)",
-    "k_chosen": "drafts asked of a sequence's drafter for one step (a draft tree's nodes): its K policy's K, capped by "
-    "the load-aware choice (the K that maximises the batch's expected tokens per second from the measured forward "
-    "cost at the batch's tokens and each sequence's acceptance by draft rank and draft cost); 0 is a plain step",
+    "k_chosen": "drafts verified for a sequence in one step (a draft tree's nodes): its K policy's K; with the "
+    "load-aware choice, the best of those drafted that maximise the batch's expected tokens per second, from the "
+    "measured forward cost at the batch's tokens and each draft's chance of acceptance (the drafter's confidence in "
+    "it this step × how often the target agreed with that confidence; by draft rank where the drafter gives none); "
+    "0 is a plain step",
     "aggregate_tokens_per_s": "bench-load: tokens emitted by all N concurrent conversations during the measured "
     "window ÷ the window's seconds (steady state: conversations start a new prompt as soon as one is answered, "
     "prefills included)",

@@ -19,12 +19,14 @@ from specdec import engine as engine_module
 from specdec import heads_drafter as heads_drafter_module
 from specdec import sampling
 from specdec.build import build_engine, k_policy_factory
-from specdec.drafters import DraftModelDrafter, NGramDrafter
+from specdec.cost_grid import ForwardCosts
+from specdec.drafters import DraftModelDrafter, NGramDrafter, Proposal
 from specdec.engine import GenerationConfig, SpeculativeEngine, collect
 from specdec.heads_file import load_heads, read_heads, save_heads
 from specdec.models import build_tiny_random
 from specdec.runner import BatchRunner
 from specdec.sampling import SamplingParams, logits_to_probs
+from specdec.scheduler import BatchScheduler
 from specdec.session import EngineSession
 from tests.support.engine import heads_engine
 from tests.support.stats import chi2_pvalue
@@ -179,6 +181,19 @@ def test_reused_session_keeps_the_target_joint(target, poor_draft):
     session = EngineSession(engine)
     session.prefill(ids[:-3])  # the cached prefix every answer then shares
     assert chi2_pvalue(sample_pairs(engine, ids, N_PAIRS, session), exact_pair_probs(target, ids, PARAMS)) > P_FAIL
+
+
+# The load-aware scheduler verifies the drafts its drafter is sure enough of (Proposal.best): rows free here, so a
+# draft is kept while its calibrated confidence earns its share (scheduler.MIN_GAIN).
+FREE_ROWS = ForwardCosts([1], [1, 64], [[1.0, 1.0]])
+
+
+def test_drafts_cut_by_their_confidence_keep_the_target_joint(target, poor_draft):
+    ids = prompt(target)
+    scheduler = BatchScheduler(engine_for(target, draft_model_factory(poor_draft, target), 3), FREE_ROWS)
+    events = [ev for s in range(60) for ev in collect(scheduler.stream(ids, GenerationConfig(4, PARAMS, seed=s)))[1]]
+    assert {1, 3} < {ev.k_chosen for ev in events if ev.speculative}  # proposals kept whole and cut short
+    assert chi2_pvalue(sample_pairs(scheduler, ids, N_PAIRS), exact_pair_probs(target, ids, PARAMS)) > P_FAIL
 
 
 def test_whole_answers_and_bonus_tokens_follow_the_target(target, good_draft):
@@ -357,6 +372,22 @@ def test_joint_check_catches_a_host_gate_that_keeps_the_wrong_q_rows(target, poo
     gate = gate_at_first_confidence(poor_draft, ids)
     engine = engine_for(target, draft_model_factory(poor_draft, target, min_prob=gate, gate_on_host=True), 3)
     assert chi2_pvalue(sample_pairs(engine, ids, N_PAIRS), exact_pair_probs(target, ids, PARAMS)) < P_FAIL
+
+
+def test_joint_check_catches_a_cut_that_keeps_the_wrong_q_rows(target, poor_draft, monkeypatch):
+    """A proposal cut by its confidence keeping q's last rows instead of its first."""
+    best = Proposal.best
+
+    def misaligned(self, n):
+        kept = best(self, n)
+        if kept is not self and self.probs is not None and n:
+            kept.probs = self.probs[len(self.tokens) - n :]
+        return kept
+
+    monkeypatch.setattr(Proposal, "best", misaligned)
+    ids = prompt(target)
+    scheduler = BatchScheduler(engine_for(target, draft_model_factory(poor_draft, target), 3), FREE_ROWS)
+    assert chi2_pvalue(sample_pairs(scheduler, ids, N_PAIRS), exact_pair_probs(target, ids, PARAMS)) < P_FAIL
 
 
 @pytest.mark.parametrize("tiny_heads", ["medusa"], indirect=True)  # eagle drafts a chain

@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from specdec.build import build_engine
+from specdec.cost_grid import ForwardCosts
 from specdec.engine import GenerationConfig
 from specdec.sampling import SamplingParams
+from specdec.scheduler import BatchScheduler, LoadEstimate, _Running
 from tests.support.engine import heads_engine, tiny_prompts
 from tests.support.host_reads import counting_host_reads, reads_per_step
 
@@ -68,3 +70,20 @@ def test_a_batched_step_reads_the_device_at_most_twice(tiny_engine):
         events = engine.step(answers)
     assert len(events) == 3 and all(ev.k_chosen == 4 for ev in events)
     assert counter["reads"] <= 2
+
+
+@pytest.mark.parametrize("tiny_heads", ["medusa"], indirect=True)
+def test_a_tree_cut_by_its_confidence_reads_the_device_once_more(tiny_engine, tiny_heads):
+    """The load-aware scheduler reads the batch's confidences once, between drafting and verifying."""
+    engine = heads_engine(tiny_engine, tiny_heads, k=4, tree=3)
+    answers = [engine.new_answer(p, GenerationConfig(64, seed=1)) for p in tiny_prompts(engine.target, 2)]
+    engine.step(answers)  # the prefills
+    scheduler = BatchScheduler(engine, ForwardCosts([1], [1, 16], [[1.0, 1.0]]))
+    runs = [_Running(a, LoadEstimate.geometric(0.5)) for a in answers]
+    counts = []
+    for _ in range(6):
+        with counting_host_reads() as counter:
+            events = engine.step(answers, cut=lambda proposals: scheduler._verified_ks(runs, proposals, []))
+        assert all(ev.speculative for ev in events) and all(r.confidence for r in runs)  # the cut read them
+        counts.append(counter["reads"])
+    assert max(counts) <= 2  # the step's one read (greedy) and the confidences' one, not one an answer

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
@@ -22,8 +23,17 @@ from specdec.kv import PENDING
 from specdec.metrics import expected_tokens_per_step
 from specdec.runner import BatchRunner, Feed
 from specdec.sampling import SamplingParams
-from specdec.scheduler import FORGET, OPENING_STEPS, BatchScheduler, LoadEstimate, choose_ks
+from specdec.scheduler import (
+    FORGET,
+    OPENING_STEPS,
+    BatchScheduler,
+    Calibration,
+    LoadEstimate,
+    _Running,
+    choose_ks,
+)
 from specdec.session import EngineSession
+from specdec.tree import ROOT, build_tree, keep_best
 from tests.support.engine import draft_factory, heads_engine, make_engine, target_only, tiny_prompts
 
 
@@ -545,3 +555,73 @@ def test_an_answers_opening_steps_learn_their_own_acceptance(tiny_engine):
     # plain, but for what a plain step's aging of the estimate tries again now and then (LoadEstimate)
     assert sum(ev.k_chosen > 0 for ev in openings) <= len(openings) / 4
     assert any(ev.k_chosen > 0 and ev.accepted == ev.k_chosen for ev in later)
+
+
+# ------------------------------------------------------------------------- drafts kept by the drafter's confidence
+
+
+def test_best_keeps_a_chain_s_first_drafts_with_their_q():
+    q = torch.softmax(torch.randn(4, 7, generator=torch.Generator().manual_seed(0)), -1)
+    chain = Proposal(torch.tensor([3, 1, 4, 1]), torch.tensor(3), q, 4, confidence=torch.tensor([0.9, 0.5, 0.2, 0.1]))
+    two = chain.best(2)
+    assert two.tokens.tolist() == [3, 1] and int(two.proposed) == 2 and torch.equal(two.probs, q[:2])
+    assert two.confidence.tolist() == pytest.approx([0.9, 0.5])
+    assert int(chain.best(3).proposed) == 3 and chain.best(4) is chain
+    assert chain.best(0).tokens.numel() == 0 and int(chain.best(0).proposed) == 0
+
+
+def test_best_keeps_a_tree_s_surest_nodes_and_its_confidence_is_by_rank():
+    logp = torch.tensor([[0.7, 0.2, 0.1], [0.6, 0.3, 0.1]]).log()
+
+    def expand(frontier):
+        d = 0 if int(frontier[0]) == ROOT else 1
+        return torch.tensor([[10 * d + 1, 10 * d + 2, 10 * d + 3]]).expand(len(frontier), -1), logp[d].expand(
+            len(frontier), -1
+        )
+
+    tree = build_tree(expand, 3, 2, 12)
+    whole = Proposal.of_tree(tree, forwards=1)
+    assert whole.confidence.tolist() == pytest.approx(sorted(tree.scores.exp().tolist(), reverse=True))
+    three = whole.best(3)
+    kept = keep_best(tree, 3)
+    assert torch.equal(three.tree.tokens, kept.tokens) and torch.equal(three.tree.parents, kept.parents)
+    assert three.confidence.tolist() == pytest.approx([0.7, 0.42, 0.21])  # 0.7, 0.7 × 0.6, 0.7 × 0.3 (not 0.2)
+    nothing = whole.best(0)
+    assert nothing.tree is None and nothing.tokens.numel() == 0
+    with pytest.raises(ValueError, match="sampled draft tree"):
+        Proposal.of_tree(replace(tree, q=torch.ones(len(tree), 5) / 5), forwards=1).best(2)
+
+
+def kept_of(tiny_engine, confidence: list[float], calibration: Calibration | None = None, costs=NO_AMX) -> int:
+    """What the load-aware scheduler verifies of one answer's chain with this confidence, at one sequence."""
+    target, draft = tiny_engine.models
+    scheduler = BatchScheduler(batched_engine(target, draft_factory(draft), "4"), costs)
+    prompt = tiny_prompts(target, 1, seed=3)[0]
+    session = EngineSession(scheduler.engine)
+    session.prefill(prompt[:-1])  # a decoding step feeds one token, not the prompt, beside which drafts look free
+    answer = scheduler.engine.new_answer(prompt, GenerationConfig(16), session)
+    run = _Running(answer, LoadEstimate.geometric(0.5), calibration=calibration or Calibration())
+    n = len(confidence)
+    proposal = Proposal(torch.arange(n), torch.tensor(n), None, 1, confidence=torch.tensor(confidence))
+    (k,) = scheduler._verified_ks([run], [proposal], [])
+    assert run.confidence == pytest.approx(confidence)  # kept for the calibration after the step
+    return k
+
+
+def test_what_a_step_verifies_follows_how_sure_its_drafter_is(tiny_engine):
+    """Without AMX (each row ~5 % of a forward): a sure chain is verified whole, an unsure one to its first draft,
+    a hopeless one not at all; a drafter measured to be right a tenth as often as it says is trusted that much: its
+    surest drafts are then not worth a row."""
+    sure, unsure, hopeless = [0.95, 0.9, 0.85], [0.2, 0.05, 0.01], [0.02, 0.01, 0.005]
+    assert [kept_of(tiny_engine, c) for c in (sure, unsure, hopeless)] == [3, 1, 0]
+    steep = by_rows([1, 2, 4], [0.087, 0.0957, 0.113])  # a row 10 % of a forward
+    assert kept_of(tiny_engine, sure, costs=steep) == 3
+    assert kept_of(tiny_engine, sure, Calibration(accepted=0.1, expected=1.0), costs=steep) == 0
+
+
+def test_the_calibration_learns_how_often_the_drafter_is_right():
+    calibration = Calibration()
+    assert calibration.ratio == pytest.approx(0.8)  # the shipped heads' (docs/results.md), before any step
+    for _ in range(60):
+        calibration.observe(expected=2.0, accepted=1)  # sure of 2 drafts a step, 1 accepted
+    assert calibration.ratio == pytest.approx(0.5, abs=0.01)
