@@ -53,8 +53,8 @@ class EndProbe:
 
 
 Chunks = Sequence[tuple["Answer", int]]  # prompts read in chunks (chunked prefill): (answer, its context's end)
-# the live answers' proposals (None: no drafts) -> how many of each to verify (None: all): a load-aware choice made
-# once every answer has drafted, from what each drafter is sure of this step
+# each answer's proposal, in the step's order (None: no drafts, or cancelled) -> how many of each to verify (None:
+# all): a load-aware choice made once every answer has drafted, from what each drafter is sure of this step
 Cut = Callable[[list[Proposal | None]], list[int | None]]
 
 
@@ -197,7 +197,7 @@ class SpeculativeEngine:
     ) -> list[StepEvent]:
         """One step of every answer, all verified in one target forward. k_caps: a load-aware scheduler's K per
         answer (None: the answer's own K policy and governor decide). chunks: (answer, end), a prompt read in chunks:
-        the forward feeds its context up to end, and it emits nothing. cut: given the live answers' proposals, how
+        the forward feeds its context up to end, and it emits nothing. cut: given the answers' proposals, how
         many of each to verify (Proposal.best; None: all), once every answer has drafted. A cancelled answer gets its
         last event without a forward; a failing forward raises (every answer in it fails; their caches were reset).
         Runs on the compute thread (specdec/compute.py)."""
@@ -234,8 +234,11 @@ class SpeculativeEngine:
         once, conclude each."""
         drafts = [self._draft(answer, len(live), cap) for _, answer, cap in live]
         if cut is not None:
-            keep = cut([d.proposal for d in drafts])
-            drafts = [d if n is None or d.proposal is None else self._kept(d, n) for d, n in zip(drafts, keep)]
+            proposals: list[Proposal | None] = [None] * len(events)  # a cancelled answer drafted nothing
+            for (i, _, _), d in zip(live, drafts):
+                proposals[i] = d.proposal
+            keep = cut(proposals)
+            drafts = [self._kept(d, keep[i]) for (i, _, _), d in zip(live, drafts)]
         probes = [self._probe_rows(a) for _, a, _ in live]
         feeds = [
             Feed(a.cache, a.ctx, (probe or 0) + self._n_rows(d), self._draft_tokens(d), self._draft_tree(d))
@@ -264,9 +267,11 @@ class SpeculativeEngine:
             events[i] = event
 
     @staticmethod
-    def _kept(draft: _Draft, n: int) -> _Draft:
-        proposal = draft.proposal.best(n) if draft.proposal is not None else None
-        return replace(draft, k_chosen=min(draft.k_chosen, n), proposal=proposal)
+    def _kept(draft: _Draft, n: int | None) -> _Draft:
+        """The draft with its n best drafts (None: all of them)."""
+        if n is None or draft.proposal is None:
+            return draft
+        return replace(draft, k_chosen=min(draft.k_chosen, n), proposal=draft.proposal.best(n))
 
     @staticmethod
     def _probe_rows(answer: Answer) -> int | None:

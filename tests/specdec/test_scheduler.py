@@ -625,3 +625,25 @@ def test_the_calibration_learns_how_often_the_drafter_is_right():
     for _ in range(60):
         calibration.observe(expected=2.0, accepted=1)  # sure of 2 drafts a step, 1 accepted
     assert calibration.ratio == pytest.approx(0.5, abs=0.01)
+
+
+def test_a_cut_sees_every_answer_of_the_step_in_order_a_cancelled_one_as_none(tiny_engine):
+    target, draft = tiny_engine.models
+    engine = batched_engine(target, draft_factory(draft), "3")
+    cancel = threading.Event()
+    first, second = tiny_prompts(target, 2, seed=5)
+    answers = [
+        engine.new_answer(first, GenerationConfig(16), cancel=cancel),
+        engine.new_answer(second, GenerationConfig(16)),
+    ]
+    engine.step(answers)  # the prefills
+    cancel.set()
+    seen = []
+
+    def cut(proposals):
+        seen.append(proposals)
+        return [None, 1]
+
+    events = engine.step(answers, cut=cut)
+    assert len(seen[0]) == 2 and seen[0][0] is None and seen[0][1] is not None
+    assert events[0].finish_reason == "cancelled" and events[1].k_chosen == 1 and events[1].drafted <= 1
