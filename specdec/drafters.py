@@ -67,21 +67,26 @@ class Proposal:
         top = torch.cat(tops)
         return cls(torch.cat(drafts), confident_count(top, min_prob), q, forwards, confidence=top.float().cumprod(0))
 
+    @property
+    def cuttable(self) -> bool:
+        """Whether best() may keep fewer drafts: not a sampled tree (q given), whose children were drawn for the
+        shape it has."""
+        return self.tree is None or self.tree.q is None
+
     def best(self, n: int) -> Proposal:
         """The n drafts of best rank, verified as this proposal's first n would be: a chain's first n, a tree's n
         nodes of highest score (tree.keep_best: every kept node's path is kept). Lossless as any gate is: what is
-        kept depends on the drafter's own values, never on the target's. A sampled tree (q given) cannot be cut:
-        its children were drawn for the shape it has."""
+        kept depends on the drafter's own values, never on the target's. Only a cuttable proposal."""
         if n >= len(self.tokens):
             return self
+        if not self.cuttable:
+            raise ValueError("a sampled draft tree is verified whole (tree.draw_tree)")
         confidence = None if self.confidence is None else self.confidence[:n]
         if self.tree is None:
             q = None if self.probs is None else self.probs[:n]
             return replace(
                 self, tokens=self.tokens[:n], proposed=self.proposed.clamp_max(n), probs=q, confidence=confidence
             )
-        if self.tree.q is not None:
-            raise ValueError("a sampled draft tree is verified whole (tree.draw_tree)")
         if n == 0:
             return replace(Proposal.of([], self.tokens.device), forwards=self.forwards)
         tree = keep_best(self.tree, n)

@@ -99,11 +99,9 @@ class HeadsDrafter:
             f = self.features[last - 1]  # its own LM head gave t_L; block i gives t_{L+1+i}
             if self.heads.token_in is not None:  # no host-to-device copy a step where nothing reads it
                 f = self.heads.medusa_input(f, torch.tensor(context[last], device=self.device))
-            if self.tree_width > 1 and self.lookup:  # a grafted chain has no confidence to be ranked by
-                tree = self._with_lookup(self._medusa_tree(f, k), context, k)
-                return replace(Proposal.of_tree(tree, forwards=1), confidence=None)
             if self.tree_width > 1:
-                return Proposal.of_tree(self._medusa_tree(f, k), forwards=1)
+                tree = Proposal.of_tree(self._with_lookup(self._medusa_tree(f, k), context, k), forwards=1)
+                return replace(tree, confidence=None) if self.lookup else tree  # a grafted chain has no confidence
             if self.heads.draft_in is not None:
                 return self._medusa_chain(f, k, params, generator)
             sub = torch.stack([self.heads.lm(block(f)) for block in list(self.heads.medusa)[:k]])
@@ -155,6 +153,8 @@ class HeadsDrafter:
     def _with_lookup(self, tree: DraftTree, context: list[int], k: int) -> DraftTree:
         """The tree with the lookup's chain grafted on, at most k deep: a node sits at its depth's position, and k is
         what the answer's budget and context room allow."""
+        if not self.lookup:
+            return tree
         chain = ngram_lookup(context, min(self.lookup, k), min_ngram=LOOKUP_MIN_NGRAM)
         return graft(tree, torch.tensor(chain, dtype=torch.long, device=self.device))
 

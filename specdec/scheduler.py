@@ -351,10 +351,7 @@ class BatchScheduler:
         forward against 1.57 (docs/results.md): how sure the heads are varies step by step. The confidences are
         read from the device here, once a step."""
         assert self.costs is not None
-        aware = [
-            r.answer.load_aware and p is not None and (p.tree is None or p.tree.q is None)
-            for r, p in zip(runs, proposals)
-        ]
+        aware = [r.answer.load_aware and p is not None and p.cuttable for r, p in zip(runs, proposals)]
         drafted = [0 if p is None else len(p.tokens) for p in proposals]
         sure = [p.confidence for p in proposals if p is not None and p.confidence is not None]
         values = iter(torch.cat(sure).tolist() if sure else [])  # one read for the batch
