@@ -35,7 +35,14 @@ def check_audio(chunk: np.ndarray) -> None:
 
 @pytest.fixture(scope="module")
 def hibari() -> HibariTTS:
-    return HibariTTS(threads=2)
+    return HibariTTS()  # as the app makes it
+
+
+@pytest.mark.models
+def test_hibari_synthesizes_on_one_thread(hibari):
+    """Its first chunk came sooner on one onnxruntime thread than on two, and the target's forward keeps the other
+    core (pipeline/tts.py)."""
+    assert hibari._tts.sess.get_session_options().intra_op_num_threads == 1
 
 
 @pytest.mark.models
