@@ -42,7 +42,7 @@ from specdec.corpus import (
 )
 from specdec.cost_grid import cpu_name
 from specdec.models import LoadedModel, asset_path, load_model, load_tokenizer, log
-from specdec.openings import count_openings, default_openings_path
+from specdec.openings import count_openings, default_openings_path, question_copies
 from specdec.quant import TARGET_QUANTS
 from specdec.quant_layers import cpu_has_amx
 from specdec.runner import BatchRunner
@@ -148,7 +148,8 @@ def count_corpus_openings(args: argparse.Namespace) -> int:
     if not paths:
         raise ValueError(f"no answer shards in {Path(args.folder) / 'answers'}: run `specvoice corpus answers` first")
     rows = (r for p in paths for r in read_rows(p) if r["answer_ids"])
-    table = count_openings(((r["prompt_ids"][starts[r["system"]] :], r["answer_ids"][0]) for r in rows), args.target)
+    questions = ((r["prompt_ids"][starts[r["system"]] :], r["answer_ids"]) for r in rows)
+    table = count_openings(((q, answer, question_copies(q, tok)) for q, answer in questions), args.target)
     out = Path(args.openings) if args.openings else default_openings_path(args.target)
     table.save(out)
     log(f"{len(table.firsts)} question beginnings, {table.answers} answers in {len(paths)} shards: written to {out}")

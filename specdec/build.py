@@ -277,11 +277,10 @@ def heads_drafter_factory(spec: EngineSpec, target: LoadedModel, path: Path) -> 
 
     if not spec.opening_echo:
         return heads_drafter
-    decode = target.tokenizer.decode
     openings = load_openings(spec.opening_table, spec.target)
     if openings is not None:
         log(f"opening guesses: {len(openings.firsts)} question beginnings, counted over {openings.answers} answers")
-    return lambda: OpeningEchoDrafter(heads_drafter(), decode, target.device, openings, spec.draft_tree)
+    return lambda: OpeningEchoDrafter(heads_drafter(), target.tokenizer, target.device, openings, spec.draft_tree)
 
 
 NOT_MODELS = ("none", "ngram", "heads")  # --draft values that load no draft model

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from .kv import PENDING
-from .openings import opening_tree
+from .openings import opening_tree, question_copies
 from .runner import BatchRunner
 from .sampling import SamplingParams, logits_to_probs, sample
 from .tree import DraftTree, keep_best
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from .events import StepEvent
     from .kv import SequenceCache
     from .openings import OpeningTable
+    from .tokenizer import Tokenizer
 
 
 @dataclass
@@ -292,7 +293,8 @@ class OpeningEchoDrafter:
     (scheduler.OPENING_STEPS) and drops drafts that do not pay.
 
     openings: with a table (specdec/openings.py), the answer's first forward verifies drafts too: the `width`
-    likeliest first tokens after how the question begins, each continued by the echo, as one draft tree.
+    likeliest openings after how the question begins (a first token, or a word of the question it copies), each
+    continued by the echo, as one draft tree.
     """
 
     OPENING_TOKENS = 8
@@ -300,7 +302,7 @@ class OpeningEchoDrafter:
     def __init__(
         self,
         inner: Drafter,
-        decode: Callable[[list[int]], str],
+        tokenizer: Tokenizer,
         device: torch.device,
         openings: OpeningTable | None = None,
         width: int = 1,
@@ -309,7 +311,7 @@ class OpeningEchoDrafter:
         self.openings, self.width = openings, width
         self.kind = inner.kind
         self.reads_target_hidden, self.target_layers = inner.reads_target_hidden, inner.target_layers
-        self._decode = decode
+        self.tokenizer = tokenizer
         self._keys: dict[int, str] = {}
         self._prompt_len: int | None = None  # None: no answer started, so no opening to echo
         self._question_start = 0
@@ -317,7 +319,7 @@ class OpeningEchoDrafter:
     def _key(self, token: int) -> str:
         key = self._keys.get(token)
         if key is None:
-            key = self._keys[token] = self._decode([token]).strip().lower()
+            key = self._keys[token] = self.tokenizer.decode([token]).strip().lower()
         return key
 
     def propose(
@@ -336,11 +338,12 @@ class OpeningEchoDrafter:
         one guess, else a tree of at most k nodes (one-hot candidates: lossless whatever chose them)."""
         if self.openings is None:
             return None
-        n = len(prompt)
-        chains = [
-            ([first, *echo_lookup([*prompt, first], n, k, self._key, self._question_start)], share)
-            for first, share in self.openings.guesses(prompt[self._question_start :], self.width)
-        ]
+        n, question = len(prompt), prompt[self._question_start :]
+        copies = question_copies(question, self.tokenizer)
+        chains = []
+        for ids, share in self.openings.guesses(question, self.width, copies):
+            spoken = next((c.spoken for c in copies if c.ids == ids), ids)  # a copied word's echo: after the question's
+            chains.append(([*ids, *echo_lookup([*prompt, *spoken], n, k, self._key, self._question_start)], share))
         if not chains:
             return None
         if len(chains) == 1:

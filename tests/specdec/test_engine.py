@@ -18,7 +18,7 @@ PROMPTS = ["hello there", "what is two plus two?", "tell me a story about a cat"
 
 
 def _echo(target, inner):
-    return OpeningEchoDrafter(inner, target.tokenizer.decode, target.device)
+    return OpeningEchoDrafter(inner, target.tokenizer, target.device)
 
 
 @pytest.mark.parametrize("k", ["1", "2", "4", "7", "adaptive"])

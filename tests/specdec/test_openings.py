@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import random
+import re
 
 import pytest
 import torch
@@ -18,40 +20,120 @@ from specdec.corpus import AnswerRecipe, answer_shard, write_rows
 from specdec.drafters import NGramDrafter, OpeningEchoDrafter
 from specdec.engine import GenerationConfig, collect
 from specdec.openings import (
+    COPIES,
     ECHO_KEPT,
+    LAMBDA,
     MIN_COUNT,
     OpeningTable,
     count_openings,
     load_openings,
+    opening_key,
     opening_tree,
+    question_copies,
 )
 from specdec.runner import BatchRunner
-from specdec.tokenizer import words_start
+from specdec.sampling import SamplingParams
+from specdec.tokenizer import ByteTokenizer, words_start
 from specdec.tree import ROOT
 from tests.support.engine import make_engine, target_only
 
 CPU = torch.device("cpu")
 
 
-def test_the_table_keeps_each_prefix_seen_often_enough_and_backs_off_to_a_shorter_one():
-    examples = [([1, 2, 3, 4, 5], 10)] * 3 + [([1, 2, 3, 9], 11)] * 2 + [([1, 7], 12)] * 2 + [([1, 2, 3, 4, 6], 13)]
-    table = count_openings(examples, "t")
+def answered(question: list[int], first: int, times: int) -> list:
+    """count_openings's examples: a question answered `times` times with `first` first, no word of it copied."""
+    return [(question, [first], [])] * times
+
+
+def test_the_table_keeps_each_prefix_seen_often_enough_with_its_count():
+    examples = answered([1, 2, 3, 4, 5], 10, 3) + answered([1, 2, 3, 9], 11, 2) + answered([1, 7], 12, 2)
+    table = count_openings(examples + answered([1, 2, 3, 4, 6], 13, 1), "t")
     assert table.answers == 8
-    assert table.firsts[(1,)] == ((10, 3 / 8), (11, 2 / 8), (12, 2 / 8))  # ties: the lower id first
+    assert table.firsts[(1,)] == ((10, 3 / 8), (11, 2 / 8), (12, 2 / 8), (13, 1 / 8))  # ties: the lower id first
     assert table.firsts[(1, 2, 3, 4)] == ((10, 0.75), (13, 0.25))
+    assert table.totals[(1,)] == 8 and table.totals[(1, 2, 3, 4)] == 4
     assert (1, 2, 3, 9) not in table.firsts and (1, 7) not in table.firsts  # seen fewer than MIN_COUNT times
     assert MIN_COUNT == 3 and (1, 2, 3, 4, 5) not in table.firsts  # no prefix longer than MAX_PREFIX (4)
-    assert table.guesses([1, 2, 3, 4, 5, 6], 1) == [(10, 0.75)]
-    assert table.guesses([1, 2, 3, 9, 9], 2) == [(10, 3 / 6), (11, 2 / 6)]  # (1, 2, 3) is the longest it knows
-    assert table.guesses([1, 7, 7], 3) == table.guesses([1], 3) == list(table.firsts[(1,)])
     assert table.guesses([5, 1], 3) == [] and table.guesses([], 3) == []
 
 
+def test_a_question_is_guessed_from_every_prefix_it_begins_with_not_only_the_longest():
+    # (1, 2, 3, 4), (1, 2, 3) and (1, 2): 3 answers, all 10; (1,): 100, of which 97 are 20
+    table = count_openings(answered([1, 2, 3, 4], 10, 3) + answered([1, 9], 20, 97), "t")
+    w4 = 3 / (3 + LAMBDA)
+    w3 = (1 - w4) * w4
+    w2 = (1 - w4 - w3) * w4
+    w1 = (1 - w4 - w3 - w2) * 100 / (100 + LAMBDA)
+    guessed = table.guesses([1, 2, 3, 4, 5], 3)
+    assert [ids for ids, _ in guessed] == [(10,), (20,)]  # the longest prefix alone knows 10 only
+    assert guessed[0][1] == pytest.approx(w4 + w3 + w2 + w1 * 0.03) and guessed[1][1] == pytest.approx(w1 * 0.97)
+    w19 = 97 / (97 + LAMBDA)  # (1, 9): 97 answers, all 20
+    assert table.guesses([1, 9], 1) == [((20,), pytest.approx(w19 + (1 - w19) * 100 / (100 + LAMBDA) * 0.97))]
+
+
+BYTES = ByteTokenizer()
+
+
+def test_a_question_copies_its_first_content_words_as_an_answer_would_begin_with_them():
+    question = BYTES.encode("What is the boiling point of water?\nassistant")
+    copies = question_copies(question, BYTES)
+    assert [BYTES.decode(list(c.ids)) for c in copies] == ["Boiling", "Point", "Water"]  # COPIES, not past the line
+    assert [BYTES.decode(list(c.spoken)) for c in copies] == [" boiling", " point", " water"]
+    assert COPIES == 3 and question_copies(BYTES.encode("Why is it so?"), BYTES) == []
+
+
+def test_answers_that_copy_a_word_of_their_question_teach_the_table_to_copy_another_questions_word():
+    def example(animal: str, answer: str) -> tuple:
+        question = BYTES.encode(f"Why do {animal} sleep?")
+        return question, BYTES.encode(answer), question_copies(question, BYTES)
+
+    examples = [example(a, f"{a.title()} sleep to rest.") for a in ("cats", "dogs", "owls")]
+    examples.append(example("cows", "Sleep is rest."))  # copies the second word
+    assert [opening_key(answer, copies) for _, answer, copies in examples] == [-1, -1, -1, -2]
+    table = count_openings(examples, "t")
+    assert table.firsts[tuple(BYTES.encode("Why "))] == ((-1, 0.75), (-2, 0.25))
+    question = BYTES.encode("Why do bees sleep?")
+    guessed = table.guesses(question, 2, question_copies(question, BYTES))
+    assert [BYTES.decode(list(ids)) for ids, _ in guessed] == ["Bees", "Sleep"]
+    assert table.guesses(question, 2) == []  # a copy needs the question's words
+
+
+class Words:
+    """A tokenizer of whole words (a space before each but the first) and punctuation, as an LLM's often are."""
+
+    def __init__(self) -> None:
+        self.pieces: list[str] = []
+
+    def encode(self, text: str) -> list[int]:
+        pieces = re.findall(r" ?[A-Za-z']+|[^A-Za-z' ]", text)
+        self.pieces += [p for p in dict.fromkeys(pieces) if p not in self.pieces]
+        return [self.pieces.index(p) for p in pieces]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(self.pieces[i] for i in ids)
+
+
+def test_the_opening_drafter_drafts_the_copied_word_and_echoes_the_question_after_it():
+    words = Words()
+    question = words.encode("Why do bees sleep?")
+    table = count_openings([(question, words.encode("Bees sleep to rest."), question_copies(question, words))] * 3, "t")
+    drafter = OpeningEchoDrafter(NGramDrafter(CPU), words, CPU, table)
+    prompt = [*words.encode("You answer."), *question, *words.encode("\nassistant")]
+    drafter.start(len(prompt), question_start=len(prompt) - len(question) - 2)
+    proposal = drafter.propose(prompt, 8, SamplingParams(), None)
+    assert words.decode(proposal.tokens.tolist()) == "Bees sleep"  # the question's word, then its next one
+
+
 def test_a_table_is_saved_and_loaded_and_refused_for_another_target(tmp_path):
-    table = count_openings([([1, 2], 5)] * 3 + [([1, 3], 6)] * 3, "qwen-1.5b")
+    table = count_openings(answered([1, 2], 5, 3) + answered([1, 3], 6, 3), "qwen-1.5b")
     path = tmp_path / "t.json"
     table.save(path)
     assert load_openings(str(path), "qwen-1.5b") == table
+    old = json.loads(path.read_text())
+    old["firsts"] = [[prefix, found] for prefix, _, found in old["firsts"]]  # as tables were before their counts
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    with pytest.raises(ValueError, match="without answer counts.*corpus openings"):
+        load_openings(str(tmp_path / "old.json"), "qwen-1.5b")
     with pytest.raises(ValueError, match="counts 'qwen-1.5b'"):
         load_openings(str(path), "qwen-0.5b")
     with pytest.raises(FileNotFoundError, match="corpus openings"):
@@ -99,16 +181,21 @@ def test_the_first_forward_verifies_the_guesses_and_the_output_stays_the_targets
 
     def table(*counts: tuple[int, int]) -> OpeningTable:
         """Each question's first token + offset, count times: (offset, count) …"""
-        examples = [
-            (ids[start:], (a[0] + d) % vocab) for ids, a in zip(prompts, answers) for d, n in counts for _ in range(n)
-        ]
-        return count_openings(examples, "tiny")
+        return count_openings(
+            [
+                row
+                for ids, a in zip(prompts, answers)
+                for d, n in counts
+                for row in answered(ids[start:], (a[0] + d) % vocab, n)
+            ],
+            "tiny",
+        )
 
     right, wrong = table((0, 3), (1, 2)), table((1, 3), (2, 2))  # two guesses each: a tree when width > 1
-    decode = target.tokenizer.decode
     for table, guessed in ((right, True), (wrong, False)):
         engine = make_engine(
-            target, lambda t=table: OpeningEchoDrafter(NGramDrafter(target.device), decode, target.device, t, width)
+            target,
+            lambda t=table: OpeningEchoDrafter(NGramDrafter(target.device), target.tokenizer, target.device, t, width),
         )
         for ids, answer in zip(prompts, answers):
             tokens, events = collect(engine.stream(ids, GenerationConfig(20, question_start=start)))
@@ -147,7 +234,7 @@ def test_corpus_openings_counts_each_answer_after_its_question_with_or_without_t
 @pytest.mark.parametrize("tiny_heads", ["medusa"], indirect=True)
 def test_an_engine_with_heads_guesses_from_the_table_it_is_given(tiny_engine, tiny_heads, tmp_path):
     heads, _ = tiny_heads
-    table = count_openings([([1, 2], 5)] * MIN_COUNT, tiny_engine.spec.target)
+    table = count_openings(answered([1, 2], 5, MIN_COUNT), tiny_engine.spec.target)
     table.save(tmp_path / "openings.json")
     spec = tiny_engine.spec_with(draft="heads", heads=str(heads), opening_echo=True, draft_tree=2)
     engine, _ = build_engine(dataclasses.replace(spec, opening_table=str(tmp_path / "openings.json")))
