@@ -69,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--writes",
         type=positive_int,
-        default=3328,
+        default=3840,
         help="requests: prompts asking for requests (default: what assets/corpus was made with; fewer rewrite "
         "requests.jsonl from fewer written shards)",
     )
