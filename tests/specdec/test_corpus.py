@@ -3,13 +3,14 @@ request parsing, near-duplicate and benchmark-overlap removal, resumable shards.
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from commands.corpus import benchmark_texts, utterance_texts
+from commands.corpus import FOLDER, WRITES_PER_SHARD, add_arguments, benchmark_texts, utterance_texts
 from specdec.corpus import (
     WRITING_TEMPERATURE,
     AnswerRecipe,
@@ -116,6 +117,15 @@ def test_the_benchmark_texts_include_every_recording():
     texts = utterance_texts()
     assert "Why is the sky blue?" in texts and "What should I pack for a beach holiday?" in texts
     assert len(texts) >= 36 and set(texts) <= set(benchmark_texts([]))
+
+
+def test_the_default_writes_are_what_the_committed_corpus_was_made_with():
+    """`corpus requests` with fewer writes rewrites requests.jsonl from fewer written shards, dropping requests the
+    committed answer shards were made from: the default must grow with the folder."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    written = sorted((FOLDER / "written").glob("written_*.jsonl.gz"))
+    assert parser.parse_args(["requests"]).writes == len(written) * WRITES_PER_SHARD
 
 
 def test_a_texts_file_without_the_recordings_lists_is_refused(tmp_path):
