@@ -99,6 +99,14 @@ class SequenceCache:
             at = start - self.hidden_start
             self.hidden[at : at + len(path)] = self.hidden.index_select(0, index - self.hidden_start)
 
+    @torch.inference_mode()
+    def copy_prefix(self, other: SequenceCache, length: int) -> None:
+        """Hold other's first `length` positions, their keys and values copied: a prompt's head computed once."""
+        self.reserve(length)
+        for mine, theirs in zip((*self.keys, *self.values), (*other.keys, *other.values)):
+            mine[:, :length] = theirs[:, :length]
+        self.tokens = other.tokens[:length]
+
     def settle(self, tokens: list[int]) -> None:
         """The first len(tokens) positions hold `tokens` (drafts fed as PENDING, now read back); the rest goes."""
         self.rollback(len(tokens))

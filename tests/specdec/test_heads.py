@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from commands import cli
+from specdec import heads_data
 from specdec.build import build_engine
 from specdec.corpus import read_rows, write_rows
 from specdec.engine import GenerationConfig, collect
@@ -33,6 +34,7 @@ from specdec.heads_train import TrainConfig, eagle3_layers, heads_config, simula
 from specdec.runner import BatchRunner
 from specdec.sampling import SamplingParams
 from specdec.session import EngineSession
+from specdec.tokenizer import common_prefix_length
 from tests.support.engine import TINY_FUSE, WORDS, heads_engine, tiny_prompts
 
 
@@ -218,6 +220,36 @@ def test_training_time_test_attends_as_drafting_does(tiny_engine, tiny_corpus, f
                         break
                     emb = heads.embed_tokens(tokens[slot].view(1, 1))
                     pred = layer(emb, pred.view(1, 1, -1), torch.tensor([slot]), cache)[0, -1]
+
+
+def test_prompts_that_begin_alike_feed_their_shared_head_once(tiny_engine, tiny_corpus, monkeypatch):
+    """Prompts that begin with the same system turn: the first prompt is fed whole once, each row then feeds only
+    what follows the head it shares with that prompt, and the features are still a direct forward's."""
+    fed: list[int] = []
+
+    class CountingRunner(BatchRunner):
+        def extend(self, feeds):
+            fed.append(sum(f.length - min(f.cache.common_prefix(f.tokens), f.length - f.n_logits) for f in feeds))
+            return super().extend(feeds)
+
+    monkeypatch.setattr(heads_data, "BatchRunner", CountingRunner)
+    target = tiny_engine.cpu_target
+    system = target.tokenizer.encode("<system>Answer in one short sentence.\n")
+    rows = [
+        {**row, "prompt_ids": system + row["prompt_ids"]}
+        for row in read_rows(tiny_corpus / "answers" / "answers_0000.jsonl.gz")
+    ]
+    first = rows[0]["prompt_ids"]
+    shared = [common_prefix_length(first, row["prompt_ids"]) for row in rows]
+    assert min(shared) > len(system)
+    seqs = list(teacher_forced(target, rows, ((),), batch_tokens=100))
+    whole = sum(len(row["prompt_ids"]) + len(row["answer_ids"]) - 1 for row in rows)
+    assert sum(fed) == len(first) + whole - sum(shared)
+    assert [s.tokens for (s,) in seqs] == [row["prompt_ids"] + row["answer_ids"] for row in rows]
+    for (s,) in seqs:
+        with torch.inference_mode():
+            direct = target.model(torch.tensor([s.tokens[:-1]]), output_hidden_states=True).hidden_states[-1][0]
+        torch.testing.assert_close(s.features, direct.to(torch.bfloat16))
 
 
 def test_corpus_features_are_a_direct_forward_s(tiny_engine, tiny_corpus):
