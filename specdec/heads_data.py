@@ -212,7 +212,7 @@ class _PromptHeads:
 
     def __init__(self, runner: BatchRunner, keep: tuple[int, ...], shortest: int = 8, most: int = 4) -> None:
         self.runner, self.keep, self.shortest, self.most = runner, keep, shortest, most
-        self.prompts: list[tuple[SequenceCache, torch.Tensor]] = []  # a whole prompt's cache and its kept states
+        self.prompts: list[SequenceCache] = []  # whole prompts, fed alone: hidden holds each position's states
 
     def _new_cache(self) -> SequenceCache:
         cache = self.runner.new_cache()
@@ -222,18 +222,18 @@ class _PromptHeads:
     def cache_for(self, prompt: list[int]) -> tuple[SequenceCache, torch.Tensor | None]:
         """A cache holding the longest head of `prompt` computed before (if long enough to share), and that head's
         kept states (None: nothing shared)."""
-        best = max(self.prompts, key=lambda p: p[0].common_prefix(prompt), default=None)
-        if (best is None or best[0].common_prefix(prompt) < self.shortest) and len(self.prompts) < self.most:
-            whole = self._new_cache()
-            self.runner.extend([Feed(whole, prompt)])
-            assert whole.hidden is not None
-            best = whole, whole.hidden.clone()
+        n, best = max(((p.common_prefix(prompt), p) for p in self.prompts), key=lambda x: x[0], default=(0, None))
+        if n < self.shortest and len(self.prompts) < self.most:
+            best = self._new_cache()
+            self.runner.extend([Feed(best, prompt)])
+            n = len(prompt)
             self.prompts.append(best)
         cache = self._new_cache()
-        if best is None or (n := best[0].common_prefix(prompt)) < self.shortest:
+        if best is None or n < self.shortest:
             return cache, None
-        cache.copy_prefix(best[0], n)
-        return cache, best[1][:n]
+        assert best.hidden is not None
+        cache.copy_prefix(best, n)
+        return cache, best.hidden[:n]
 
     @staticmethod
     def hidden(cache: SequenceCache, head: torch.Tensor | None) -> torch.Tensor:
