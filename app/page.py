@@ -166,7 +166,8 @@ def panels_html() -> str:
 <div class="sv-card"><h3>Where the TTFA went <small id="waterfall-mode"></small></h3>
   <div id="waterfall"></div><div id="ttfa-saved" class="sv-sub"></div><div id="early-answers" class="sv-sub"></div>
   <div class="sv-legend">{legend}</div>{_definition("end_of_turn_probability")}
-  {_definition("end_of_message_probability")}</div>
+  {_definition("end_of_message_probability")}
+  {_definition("held_open")}</div>
 <div class="sv-card" id="sv-story"><h3>Why speculation pays here, or not</h3>
   <div class="sv-plots">
     <div><canvas id="plot-verify" width="460" height="200"></canvas>

@@ -81,6 +81,8 @@ def summarize(turns: list[dict]) -> dict:
     return {
         "paused_turns": len(paused),
         "paused_turns_whole": sum(t["whole"] for t in paused),
+        # whole only because a pause's silence ran out while its answer had nothing to play, and the speaker went on
+        "paused_turns_whole_by_holding_open": sum(t["whole"] and any(map(held_over, t["pauses"])) for t in paused),
         "cut": sorted(t["name"] for t in paused if not t["whole"]),
         "finished_turns": len(finished),
         "finished_wait_ms_median": statistics.median(t["end_of_turn_wait_ms"] for t in finished) if finished else None,
@@ -88,6 +90,11 @@ def summarize(turns: list[dict]) -> dict:
         "heard_right": sum(t["heard_right"] for t in turns),
         **{f"{key}_median": statistics.median(v) if v else None for key, v in costs.items()},
     }
+
+
+def held_over(pause: dict) -> bool:
+    """The speaker went on after this pause's silence ran out, while the turn was held open for its answer."""
+    return bool(pause.get("held_open")) and not pause["ended_turn"]
 
 
 def ends_at(turn_end: TurnEnd, pause: dict) -> float:
@@ -104,6 +111,13 @@ def ends_at(turn_end: TurnEnd, pause: dict) -> float:
     return math.inf
 
 
+def closes_at(turn_end: TurnEnd, pause: dict) -> float:
+    """When the turn would have closed at this pause (ms after its last voiced audio): where ends_at says, or, held
+    open for an early answer on the pause's words, once that answer had audio to play (at most the longest wait)."""
+    held = min(pause.get("answer_playable_at_ms", math.inf), turn_end.longest_ms) if pause.get("answer_held") else 0
+    return max(ends_at(turn_end, pause), held)
+
+
 def decide_again(turn_end: TurnEnd, turns: list[dict]) -> dict:
     """A run's turns under other thresholds: a paused turn is cut when a pause before its last would have ended it
     within the silence the speaker left; a finished turn's wait is when its last pause would have ended it."""
@@ -111,7 +125,7 @@ def decide_again(turn_end: TurnEnd, turns: list[dict]) -> dict:
     for t in turns:
         *before, last = t["pauses"]
         # A run that cut a paused turn saw no later pause: it counts as cut whatever the thresholds.
-        if any(ends_at(turn_end, p) < p["silence_ms"] for p in before) or (t["pause_ms"] and not before):
+        if any(closes_at(turn_end, p) < p["silence_ms"] for p in before) or (t["pause_ms"] and not before):
             cut.append(t)
         elif not t["pause_ms"]:
             waits.append(ends_at(turn_end, last))

@@ -269,6 +269,8 @@ class VoiceAgent:
                     answer.run(deltas)
             except BaseException as e:  # an early answer discarded meanwhile fails quietly
                 failure = e
+            if hold is not None:
+                hold.can_play()  # ended with no audio (none, or a failure): its turn need not stay open for it
             discarded = hold is not None and not hold.wait()
             if failure is not None and not discarded:
                 raise failure

@@ -50,7 +50,9 @@ class TurnListener:
 
     At the first silence after speech the ASR transcribes at once; the words it hears up to the last voiced sample
     set the silence that ends the turn (TurnEnd) and, given start_early, start an answer on them that stays held.
-    Speech again discards it; the end of the turn confirms it if the final words are the same.
+    Speech again discards it; the end of the turn confirms it if the final words are the same. Once that silence has
+    run out, the turn stays open while its held answer has nothing to play yet (at most the longest wait after the
+    last voiced audio): a speaker who goes on then has heard nothing of it, so their turn goes on too.
     """
 
     def __init__(
@@ -76,6 +78,8 @@ class TurnListener:
         self._pause_costs: dict[str, float] = {}
         self._scoring: Future[tuple[float, float]] | None = None  # Smart Turn on the current pause: (P, cost in s)
         self.vad = EndOfTurnDetector(hangover_ms=self._wait.ms)
+        self.vad.keep_open = self._answer_unheard
+        self._held_open = False  # the current pause's silence ran out while its answer had nothing to play
         # A whisper call costs ~0.15 s here (10 s window). Partials every second leave the ASR thread idle most of
         # the time, so the call started when the speaker pauses can begin at once.
         # wake: called after each ASR pass, Smart Turn call and the target's vote, on their threads, so the owner can
@@ -105,7 +109,7 @@ class TurnListener:
                 assert self._paused_at is not None  # set when the pause began
                 resumed_t = self.vad.last_voiced[0] - FRAME_S  # the start of the frame that was voiced again
                 self._close_pause(max(0.0, resumed_t - self._paused_at))
-                self._pause_words, self._pause_heard_all = None, False
+                self._pause_words, self._pause_heard_all, self._held_open = None, False, False
                 self._pause, self._pause_costs, self._scoring = PauseSignals(), {}, None
                 self._apply()
                 self._discard_early()
@@ -117,6 +121,24 @@ class TurnListener:
             self._score_audio()
         self._read_signals()
         return None
+
+    def _answer_unheard(self, t: float) -> bool:
+        """vad.keep_open: at stream time t, the pause's silence has run out, and the answer started early on its words
+        has nothing to play yet. A speaker who goes on now has heard nothing of it: the turn stays open, no longer
+        than the longest wait after the pause's last voiced audio."""
+        hold = self._answer_on_words()
+        unheard = (
+            hold is not None and not hold.playable and t - self.vad.last_voiced[0] < self.turn_end.longest_ms / 1000
+        )
+        self._held_open |= unheard
+        return unheard
+
+    def _answer_on_words(self) -> Hold | None:
+        """The early answer started on the pause's words (all of them heard), still held."""
+        if self._early is None or self._pause.words is None:
+            return None
+        hold = self._early[0]
+        return hold if hold.state == "held" and hold.words == self._pause.words.strip() else None
 
     def _decide(self) -> Wait:
         return self.turn_end.decide(self._pause, self.smart_turn is not None, self.target_reads_words)
@@ -162,6 +184,8 @@ class TurnListener:
             "why": self._wait.why,
             "silence_ms": None if silence_s is None else silence_s * 1000,
             "ended_turn": silence_s is None,
+            "answer_held": self._answer_on_words() is not None,  # an early answer on these words was held
+            "held_open": self._held_open,  # its silence ran out while that answer had nothing to play yet
             **self._pause_costs,
         }
         if self.asr.last_pass_s is not None:
@@ -183,6 +207,7 @@ class TurnListener:
             return
         self._read_audio_probability()
         self._read_end_probability()
+        self._note_playable()
         if self._pause_heard_all:
             return
         last = self.vad.last_voiced[1]
@@ -208,6 +233,11 @@ class TurnListener:
         if hold.end_of_message_probability is not None and hold.words == self._pause.words.strip():
             self._learn(end_of_message_probability=hold.end_of_message_probability)
 
+    def _note_playable(self) -> None:
+        """When the early answer had its first audio to play (for bench-turn's replay of a turn held open)."""
+        if self._early is not None and self._early[0].playable and "answer_playable_at_ms" not in self._pause_costs:
+            self._pause_costs["answer_playable_at_ms"] = (time.perf_counter() - self.vad.last_voiced[0]) * 1000
+
     def _prefill_words(self) -> None:
         if self.prefill is None:
             return
@@ -219,7 +249,7 @@ class TurnListener:
     def _start_early(self, words: str) -> None:
         if self.start_early is None or not words.strip() or self._early is not None:
             return
-        timeline, hold = Timeline(), Hold(words.strip(), on_vote=self.wake)
+        timeline, hold = Timeline(), Hold(words.strip(), on_signal=self.wake)
         timeline.mark("speech_end", self.vad.last_voiced[0])
         timeline.early_start = time.perf_counter()
         self._early = (hold, timeline)
@@ -248,6 +278,7 @@ class TurnListener:
         if end is None:
             self._discard_early()
             raise AudioError("no speech detected")
+        self._close_pause(None)  # while its early answer, if any, is still held
         text = self.asr.finish(trailing_silence_s=end.decided_t - end.last_voiced_t).strip()
         early = self._early
         kept = (
@@ -264,7 +295,6 @@ class TurnListener:
         timeline.mark("speech_end", end.last_voiced_t)
         timeline.mark("end_of_turn", end.decided_t)
         timeline.mark("asr_final", time.perf_counter())
-        self._close_pause(None)
         silence_rule_ms = self.turn_end.silence_ms if self.turn_end.mode != "silence" else None
         timeline.heard_turn(self.pauses, silence_rule_ms, self._discarded)
         if not text:

@@ -31,23 +31,33 @@ class Hold:
     """What an early answer sends waits here until the turn is confirmed (then it goes out, in order) or discarded
     (then it never does, and the answer's cancel events are set)."""
 
-    def __init__(self, words: str, on_vote: Callable[[], None] | None = None) -> None:
+    def __init__(self, words: str, on_signal: Callable[[], None] | None = None) -> None:
         self.words = words  # the transcript the answer was started on
         self.state: HoldState = "held"
         # the answer's first forward reads it for the end-of-turn decision (metrics.DEFINITIONS); not held back
         self.end_of_message_probability: float | None = None
-        self._on_vote = on_vote
+        # the answer has audio to play, or ended with none: its turn need not stay open for it (pipeline/listener.py)
+        self.playable = False
+        self._on_signal = on_signal  # called on vote() and can_play(), on the answer's thread
         self._cond = threading.Condition()
         self._queued: list[Callable[[], None]] = []
         self._cancels: list[threading.Event] = []
         self._watchers: list[Callable[[], None]] = []
 
     def vote(self, end_of_message_probability: float) -> None:
-        """The answer's first forward read the target's P(end of message): on_vote, so that the turn's listener reads
-        it now, not at the next audio frame."""
+        """The answer's first forward read the target's P(end of message): on_signal, so that the turn's listener
+        reads it now, not at the next audio frame."""
         self.end_of_message_probability = end_of_message_probability
-        if self._on_vote is not None:
-            self._on_vote()
+        if self._on_signal is not None:
+            self._on_signal()
+
+    def can_play(self) -> None:
+        """The answer's first audio is ready (held here until the turn is confirmed), or the answer ended without
+        any: on_signal, so that a turn held open until its answer could be heard ends now."""
+        if not self.playable:
+            self.playable = True
+            if self._on_signal is not None:
+                self._on_signal()
 
     def post(self, action: Callable[[], None]) -> None:
         """Run action now if the turn is confirmed, once it is if still held, never if discarded."""

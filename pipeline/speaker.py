@@ -74,8 +74,10 @@ class SpokenAnswer:
             if self.cancel.is_set():  # checked before sending: an interrupted answer plays nothing more
                 return
             self.timeline.audio_ready(time.perf_counter())
-            if self.hold is not None and not self.hold.wait():  # an early answer plays once its turn is confirmed
-                return
+            if self.hold is not None:  # an early answer plays once its turn is confirmed
+                self.hold.can_play()
+                if not self.hold.wait():
+                    return
             self.timeline.audio_out(time.perf_counter(), len(samples) / self.tts.sample_rate)
             self.audio.append(samples)
             self.emit(Audio(samples))

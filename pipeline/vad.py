@@ -6,6 +6,7 @@ on a live microphone and on a recorded file replayed as if live.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -39,6 +40,9 @@ class EndOfTurnDetector:
     threshold: silero probability for a frame to count as voiced.
     hangover_ms: unvoiced time after the last voiced frame before the turn is declared over.
     min_speech_ms: voiced run needed to declare speech_start (filters clicks and coughs).
+    keep_open(t): once the hang-over has run out, the turn ends only when this is false at stream time t (asked at
+    every frame and end_if_waited); until then a voiced frame takes the end back and the turn goes on. The event,
+    when it comes, is decided at the time the hang-over ran out.
     """
 
     def __init__(self, threshold: float = 0.5, hangover_ms: float = 300, min_speech_ms: float = 150) -> None:
@@ -47,6 +51,7 @@ class EndOfTurnDetector:
         self.threshold = threshold
         self.hangover_s = hangover_ms / 1000
         self.min_speech_s = min_speech_ms / 1000
+        self.keep_open: Callable[[float], bool] | None = None
         self._vad = SileroVAD(SAMPLE_RATE)
         # One writable buffer shared with C through ctypes: no copy or allocation per frame.
         self._frame = np.zeros(FRAME, dtype=np.float32)
@@ -63,11 +68,17 @@ class EndOfTurnDetector:
         self._turn_start: tuple[float, int] = (0.0, 0)
         self._last_voiced: tuple[float, int] = (0.0, 0)
         self._t = 0.0  # stream time at the end of the last frame processed
+        self._ended_t: float | None = None  # the hang-over ran out here, and keep_open() held the turn open
 
     @property
     def last_voiced(self) -> tuple[float, int]:
         """(stream time, sample index) at the end of the current turn's last voiced frame."""
         return self._last_voiced
+
+    @property
+    def held_open_since(self) -> float | None:
+        """When the hang-over ran out, while keep_open holds the turn open; else None."""
+        return self._ended_t
 
     @property
     def paused(self) -> bool:
@@ -95,14 +106,19 @@ class EndOfTurnDetector:
 
     def end_if_waited(self, now: float) -> VadEvent | None:
         """Between frames: end the turn, decided at now (the stream's clock), if the silence heard so far already
-        covers the hang-over, which a signal that came in since the last frame shortened."""
-        if self.paused and self._waited_by(self._t):
+        covers the hang-over, which a signal that came in since the last frame shortened; or, if it was held open,
+        if keep_open no longer holds it (decided when the hang-over ran out)."""
+        if self.paused and (self._ended_t is not None or self._waited_by(self._t)):
             return self._end_turn(max(now, self._t))
         return None
 
     def finish(self) -> list[VadEvent]:
         """The stream ended (file end, push-to-talk released): close a turn still in progress."""
-        return [self._end_turn(self._t)] if self._in_speech else []
+        if not self._in_speech:
+            return []
+        if self._ended_t is None:
+            self._ended_t = self._t
+        return [self._close()]
 
     def _event(self, kind: EventKind, decided_t: float) -> VadEvent:
         (start_t, start_sample), (last_t, last_sample) = self._turn_start, self._last_voiced
@@ -112,8 +128,18 @@ class EndOfTurnDetector:
         """The silence from the last voiced frame to stream time t covers the hang-over."""
         return t - self._last_voiced[0] >= self.hangover_s - 1e-9
 
-    def _end_turn(self, decided_t: float) -> VadEvent:
-        self._in_speech = False
+    def _end_turn(self, t: float) -> VadEvent | None:
+        """The silence covers the hang-over at stream time t: the turn ends, unless keep_open(t) holds it open."""
+        if self._ended_t is None:
+            self._ended_t = t
+        if self.keep_open is not None and self.keep_open(t):
+            return None
+        return self._close()
+
+    def _close(self) -> VadEvent:
+        """End the turn, decided when the hang-over ran out (_ended_t)."""
+        assert self._ended_t is not None
+        decided_t, self._ended_t, self._in_speech = self._ended_t, None, False
         return self._event("end_of_turn", decided_t)
 
     def _step(self, prob: float, t: float, sample: int) -> VadEvent | None:
@@ -121,8 +147,8 @@ class EndOfTurnDetector:
         self._t = end_t
         if self._in_speech:
             if prob >= self.threshold - _HYSTERESIS:
-                self._last_voiced = (end_t, end_sample)
-            elif self._waited_by(end_t):
+                self._last_voiced, self._ended_t = (end_t, end_sample), None  # an end held open is taken back
+            elif self._ended_t is not None or self._waited_by(end_t):
                 return self._end_turn(end_t)
             return None
         if prob < self.threshold:

@@ -88,6 +88,10 @@ DEFINITIONS: dict[str, str] = {
     "to a pause: P(next token ends the message, or is a closing . ? !) at the last word's position (the words "
     "without the punctuation Whisper closes them with), read from the early answer's first forward, which feeds "
     "that row anyway",
+    "held_open": "a pause whose end-of-turn silence ran out while the answer started early on its words had no "
+    "audio to play yet: the turn stays open until it has (at most the longest end-of-turn wait after the last voiced "
+    "audio), and speech meanwhile takes the end back, so nothing of that answer is ever heard; the end of the turn "
+    "still counts from when the silence ran out (end_of_turn_wait), and TTFA runs as before",
     "end_of_turn_probability": "Smart Turn v3.2's probability that the speaker has finished, from the last ≤ 8 s of "
     "the turn's audio up to a pause (prosody as well as words; pipecat's model, its weights run here in torch)",
     "stall_ms": "silence inside an answer (server side): with its audio played at real speed from the first sample "

@@ -211,7 +211,8 @@ function pausesLine(pauses) {
   if (!pauses?.length) return '';
   const items = pauses.map((p, i) => `pause ${i + 1}: Smart Turn ${prob(p.end_of_turn_probability)}, target `
     + `${prob(p.end_of_message_probability)} → wait ${fmt(p.wait_ms)} ms (${esc(p.why)})`
-    + (p.ended_turn ? ', ended the turn' : `, you went on after ${fmt(p.silence_ms)} ms`));
+    + (p.ended_turn ? ', ended the turn' : `, you went on after ${fmt(p.silence_ms)} ms`)
+    + (p.held_open ? (p.ended_turn ? ' once its answer could be heard' : ', before its answer could be heard') : ''));
   return `<div class="sv-sub">end of turn: ${items.join(' · ')}</div>`;
 }
 

@@ -40,3 +40,17 @@ def test_a_turn_is_cut_when_a_pause_before_its_last_would_have_ended_it():
     assert decide_again(strict, [turn, finished])["paused_turns_whole"] == 1
     # A run that cut a turn saw none of its later pauses: cut whatever the thresholds.
     assert decide_again(strict, [{"name": "x", "pause_ms": 500, "pauses": [mid]}])["cut"] == ["x"]
+
+
+def test_a_pause_held_open_for_its_answer_cuts_only_once_that_answer_could_be_heard():
+    last = pause("Tell me a joke about cats.", 0.95, 0.7)
+
+    def cut(**held) -> bool:
+        mid = {**pause("Tell me a joke.", 0.95, 0.6, silence_ms=500), **held}  # its wait runs out at 320 ms
+        return decide_again(TurnEnd(), [{"name": "cats", "pause_ms": 500, "pauses": [mid, last]}])["cut"] == ["cats"]
+
+    assert cut()  # no early answer held on the words: ended at 320 ms
+    assert not cut(answer_held=True, answer_playable_at_ms=650)  # audible after the speaker was back
+    assert not cut(answer_held=True)  # never audible: held to the longest wait (1000 ms)
+    assert cut(answer_held=True, answer_playable_at_ms=450)  # audible at 450 ms, before the speaker came back
+    assert cut(answer_held=False, answer_playable_at_ms=650)

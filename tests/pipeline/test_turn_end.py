@@ -219,6 +219,45 @@ def test_todays_rule_cuts_a_fragment_whisper_closed_and_the_votes_keep_it_whole(
     assert fragment_turn("smart", 0.02, 0.9).transcript == "I would like to know why the sky is blue."
 
 
+def went_on_after_its_wait_ran_out(step_s: float):
+    """ "I would like to know why … the sky is blue." with a 0.6 s pause after words that both votes read as finished
+    (so its short wait runs out within the pause), answered by an LLM that takes step_s a word."""
+    audio, ends = spoken("I would like to know why", 0.6, "the sky is blue.")
+    asr = ScriptedASR(
+        [(ends[0] - 0.1, "I would like to know why."), (ends[2] - 0.1, "I would like to know why the sky is blue.")]
+    )
+    llm = ScriptedLLM("Because of scattering.", step_s=step_s, end_of_message_probability=0.9)
+    agent = VoiceAgent(AgentConfig(turn_end=TurnEnd("smart")), SharedProvider(llm), asr, FakeTTS())
+    agent.smart_turn = FixedSmartTurn(0.9)
+    events: list = []
+    return agent.turn_from_recording(agent.new_conversation(), audio, True, on_event=events.append), events, llm
+
+
+@needs_espeak
+def test_a_speaker_who_goes_on_before_the_answer_can_be_heard_keeps_the_turn():
+    whole = "I would like to know why the sky is blue."
+    # The answer's first audio comes ~1.2 s after the pause (3 words at 0.4 s): the speaker goes on at 0.6 s, after
+    # the short wait ran out but before anything could be heard, and the turn goes on.
+    result, events, llm = went_on_after_its_wait_ran_out(0.4)
+    assert result.transcript == whole
+    *before, last = result.timeline.pauses
+    (mid,) = [p for p in before if p["silence_ms"] > 300]
+    assert mid["wait_ms"] == TurnEnd().complete_ms < mid["silence_ms"]  # the decision alone would have cut here
+    assert mid["held_open"] and mid["answer_held"] and not mid["ended_turn"]
+    assert result.timeline.early_discarded >= 1 and [m[-1]["content"] for m in llm.seen_messages][-1] == whole
+    assert sum(isinstance(e, Transcript) for e in events) == 1  # nothing of the answer to the fragment went out
+    # The last pause is held open too, to the longest wait (its answer is slower than that), but its end of turn
+    # counts from when its own wait ran out, and the stages still add up to TTFA.
+    d = result.to_dict()
+    assert last["ended_turn"] and last["held_open"] and d["stages"]["end_of_turn_wait"] < TurnEnd().unsure_ms
+    marks = result.timeline.marks
+    assert (marks["asr_final"] - marks["speech_end"]) * 1000 >= TurnEnd().longest_ms - 40
+    assert math.isclose(sum(d["stages"].values()), d["ttfa_ms"])
+    # An answer that can be heard before the speaker goes on is not held: the same turn is cut at the pause.
+    fast, _, _ = went_on_after_its_wait_ran_out(0.01)
+    assert fast.transcript == "I would like to know why." and not fast.timeline.pauses[-1]["held_open"]
+
+
 @needs_espeak
 def test_a_finished_question_is_answered_after_the_short_wait_when_both_say_finished():
     audio, ends = spoken("What is the capital of France?")
@@ -579,6 +618,7 @@ def test_the_targets_vote_read_between_two_frames_ends_the_turn_on_the_next_fram
             if listener.vad.paused:
                 audio_and_words_in(listener)
         assert holds and listener.vad.hangover_s > complete_s
+        holds[0].playable = True  # the answer has audio to play: the turn is not held open for it
         holds[0].end_of_message_probability = 0.8  # the early answer's first forward read it, between two frames
         ended = listener.feed(audio[i : i + FRAME], i / SAMPLE_RATE)
     finally:
@@ -605,6 +645,7 @@ def test_the_targets_vote_wakes_the_listener_and_ends_the_turn_between_two_frame
                 if holds and heard_s >= complete_s:
                     break  # silence enough for the short wait is heard, the turn waits on for the vote
         assert holds and listener.vad.hangover_s > complete_s
+        holds[0].playable = True  # the answer has audio to play: the turn is not held open for it
         woke.clear()
         holds[0].vote(0.8)  # the early answer's first forward read it, between two frames
         assert woke.is_set()
