@@ -345,11 +345,12 @@ class StreamingTranscriber:
             while self._busy:
                 self._cond.wait()
 
-    def finish(self, trailing_silence_s: float = 0.0) -> str:
-        """Final transcript of everything fed. trailing_silence_s: how much of the end is known to be silence."""
+    def finish(self, speech_samples: int | None = None) -> str:
+        """Final transcript of everything fed. speech_samples: the samples fed up to the end of the speech (what
+        follows is known to be silence); None: all of them."""
         self.stop_partials()  # a call in flight may already cover the speech: wait for it rather than start anew
         with self._cond:
-            speech_end = max(0, self._n - int(trailing_silence_s * SAMPLE_RATE))
+            speech_end = self._n if speech_samples is None else min(self._n, speech_samples)
             if self._partial_n >= speech_end:
                 return self._partial
             audio, _ = self._snapshot()

@@ -279,7 +279,7 @@ class TurnListener:
             self._discard_early()
             raise AudioError("no speech detected")
         self._close_pause(None)  # while its early answer, if any, is still held
-        text = self.asr.finish(trailing_silence_s=end.decided_t - end.last_voiced_t).strip()
+        text = self.asr.finish(speech_samples=end.end_sample).strip()  # the silence after it may be long (held open)
         early = self._early
         kept = (
             early is not None

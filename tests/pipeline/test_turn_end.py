@@ -223,14 +223,25 @@ def went_on_after_its_wait_ran_out(step_s: float):
     """ "I would like to know why … the sky is blue." with a 0.6 s pause after words that both votes read as finished
     (so its short wait runs out within the pause), answered by an LLM that takes step_s a word."""
     audio, ends = spoken("I would like to know why", 0.6, "the sky is blue.")
-    asr = ScriptedASR(
+    asr = FinalPassesASR(
         [(ends[0] - 0.1, "I would like to know why."), (ends[2] - 0.1, "I would like to know why the sky is blue.")]
     )
     llm = ScriptedLLM("Because of scattering.", step_s=step_s, end_of_message_probability=0.9)
     agent = VoiceAgent(AgentConfig(turn_end=TurnEnd("smart")), SharedProvider(llm), asr, FakeTTS())
     agent.smart_turn = FixedSmartTurn(0.9)
     events: list = []
-    return agent.turn_from_recording(agent.new_conversation(), audio, True, on_event=events.append), events, llm
+    result = agent.turn_from_recording(agent.new_conversation(), audio, True, on_event=events.append)
+    return result, events, llm, asr.final_passes
+
+
+class FinalPassesASR(ScriptedASR):
+    """Counts the passes made when the turn ends (not the streaming ones at pauses): each adds its time to TTFA."""
+
+    final_passes = 0
+
+    def transcribe(self, audio):
+        self.final_passes += threading.current_thread().name != "asr-partial"
+        return super().transcribe(audio)
 
 
 @needs_espeak
@@ -238,8 +249,9 @@ def test_a_speaker_who_goes_on_before_the_answer_can_be_heard_keeps_the_turn():
     whole = "I would like to know why the sky is blue."
     # The answer's first audio comes ~1.2 s after the pause (3 words at 0.4 s): the speaker goes on at 0.6 s, after
     # the short wait ran out but before anything could be heard, and the turn goes on.
-    result, events, llm = went_on_after_its_wait_ran_out(0.4)
+    result, events, llm, final_passes = went_on_after_its_wait_ran_out(0.4)
     assert result.transcript == whole
+    assert final_passes == 0  # the pass at the last pause heard all of the speech, however long the turn was held
     *before, last = result.timeline.pauses
     (mid,) = [p for p in before if p["silence_ms"] > 300]
     assert mid["wait_ms"] == TurnEnd().complete_ms < mid["silence_ms"]  # the decision alone would have cut here
@@ -254,7 +266,7 @@ def test_a_speaker_who_goes_on_before_the_answer_can_be_heard_keeps_the_turn():
     assert (marks["asr_final"] - marks["speech_end"]) * 1000 >= TurnEnd().longest_ms - 40
     assert math.isclose(sum(d["stages"].values()), d["ttfa_ms"])
     # An answer that can be heard before the speaker goes on is not held: the same turn is cut at the pause.
-    fast, _, _ = went_on_after_its_wait_ran_out(0.01)
+    fast, *_ = went_on_after_its_wait_ran_out(0.01)
     assert fast.transcript == "I would like to know why." and not fast.timeline.pauses[-1]["held_open"]
 
 
