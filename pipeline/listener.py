@@ -279,7 +279,10 @@ class TurnListener:
             self._discard_early()
             raise AudioError("no speech detected")
         self._close_pause(None)  # while its early answer, if any, is still held
+        asked = time.perf_counter()
         text = self.asr.finish(speech_samples=end.end_sample).strip()  # the silence after it may be long (held open)
+        # The final words' own time, from the end's decision: a turn held open for its answer is not slower to hear.
+        asr_final = end.decided_t + time.perf_counter() - asked
         early = self._early
         kept = (
             early is not None
@@ -294,7 +297,7 @@ class TurnListener:
         timeline = early[1] if early is not None else Timeline()
         timeline.mark("speech_end", end.last_voiced_t)
         timeline.mark("end_of_turn", end.decided_t)
-        timeline.mark("asr_final", time.perf_counter())
+        timeline.mark("asr_final", asr_final)
         silence_rule_ms = self.turn_end.silence_ms if self.turn_end.mode != "silence" else None
         timeline.heard_turn(self.pauses, silence_rule_ms, self._discarded)
         if not text:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 MARKS = (
     "speech_end",  # end of the last voiced user audio (not when end of turn was decided)
     "end_of_turn",  # the VAD's silence hang-over ran out
-    "asr_final",  # the final transcript is ready
+    "asr_final",  # the final transcript is ready (its own time counted from end_of_turn: see TurnListener.finish)
     "llm_first_token",  # the target emitted its first token (prefill + first step)
     "first_chunk_ready",  # the chunker released the first speakable text
     "first_audio_out",  # the TTS produced the first answer samples

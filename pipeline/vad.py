@@ -76,11 +76,6 @@ class EndOfTurnDetector:
         return self._last_voiced
 
     @property
-    def held_open_since(self) -> float | None:
-        """When the hang-over ran out, while keep_open holds the turn open; else None."""
-        return self._ended_t
-
-    @property
     def paused(self) -> bool:
         """In a turn, and the latest frame was not voiced: the speaker may have finished."""
         return self._in_speech and self._last_voiced[0] < self._t
