@@ -632,7 +632,7 @@ def test_a_turn_is_held_open_while_its_answer_has_nothing_to_play_up_to_the_long
     # Decided when the short wait ran out either way; held open to the longest wait only while nothing could play.
     assert TurnEnd().complete_ms / 1000 <= ended.decided_t - ended.last_voiced_t < TurnEnd().unsure_ms / 1000
     if playable:
-        assert heard_s == ended.decided_t - ended.last_voiced_t and not last["held_open"]
+        assert math.isclose(heard_s, ended.decided_t - ended.last_voiced_t) and not last["held_open"]
     else:
         assert TurnEnd().longest_ms / 1000 <= heard_s < TurnEnd().longest_ms / 1000 + 2 * FRAME / SAMPLE_RATE
         assert last["held_open"]
