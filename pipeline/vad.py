@@ -103,7 +103,7 @@ class EndOfTurnDetector:
         """Between frames: end the turn, decided at now (the stream's clock), if the silence heard so far already
         covers the hang-over, which a signal that came in since the last frame shortened; or, if it was held open,
         if keep_open no longer holds it (decided when the hang-over ran out)."""
-        if self.paused and (self._ended_t is not None or self._waited_by(self._t)):
+        if self.paused and self._waited_by(self._t):
             return self._end_turn(max(now, self._t))
         return None
 
@@ -120,8 +120,9 @@ class EndOfTurnDetector:
         return VadEvent(kind, start_t, last_t, decided_t, start_sample, last_sample)
 
     def _waited_by(self, t: float) -> bool:
-        """The silence from the last voiced frame to stream time t covers the hang-over."""
-        return t - self._last_voiced[0] >= self.hangover_s - 1e-9
+        """The silence from the last voiced frame to stream time t covers the hang-over, or already did and keep_open
+        holds the turn open."""
+        return self._ended_t is not None or t - self._last_voiced[0] >= self.hangover_s - 1e-9
 
     def _end_turn(self, t: float) -> VadEvent | None:
         """The silence covers the hang-over at stream time t: the turn ends, unless keep_open(t) holds it open."""
@@ -143,7 +144,7 @@ class EndOfTurnDetector:
         if self._in_speech:
             if prob >= self.threshold - _HYSTERESIS:
                 self._last_voiced, self._ended_t = (end_t, end_sample), None  # an end held open is taken back
-            elif self._ended_t is not None or self._waited_by(end_t):
+            elif self._waited_by(end_t):
                 return self._end_turn(end_t)
             return None
         if prob < self.threshold:
