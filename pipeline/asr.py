@@ -35,6 +35,11 @@ _HOP_LENGTH = 160  # samples per mel frame (10 ms at 16 kHz)
 # 2 cores (12 held-out questions, beam 5, 10 s window: median 141-151 ms a call on one thread, 177-203 ms on two;
 # the same transcripts). The other core stays free for the LLM.
 DEFAULT_CPU_THREADS = 1
+# A bound on one call's decoding: 16 tokens + 8 a second of the audio the window holds. The 216 committed recordings
+# decode to at most 9 tokens a second (timestamps included, 1 s questions); a decoder caught repeating itself on a
+# clip cut mid-word ran to Whisper's 448 tokens (2.6 s here).
+DECODE_TOKENS_BASE = 16
+DECODE_TOKENS_PER_S = 8
 
 
 def window_seconds(text: str) -> float | None:
@@ -184,6 +189,7 @@ class Transcriber:
         audio = np.asarray(audio16k, dtype=np.float32).reshape(-1)
         if audio.size == 0:
             return ""
+        seconds = min(audio.size / SAMPLE_RATE, self.window_s or FULL_WINDOW_S)  # of speech, before any padding
         if self.window_s is not None and audio.size < self._window_samples:
             # Real silence, not zero features: the log-mel of silent audio is what Whisper saw after speech in
             # training (tiny.en, 10 s window, the 120 clips above: WER 0.15 against 0.17 with zero features).
@@ -192,10 +198,15 @@ class Transcriber:
         # greedy and made fewer errors (docs/runs/bench-asr.json). Timestamps on: without them tiny.en often ends its
         # transcript at a mid-sentence pause ("how many days are in." for "… in [0.5 s] a leap year?"): 10 of 12
         # such questions heard right with timestamps, 7 without; 24 of 24 questions without pauses either way.
+        # One decode at temperature 0: Whisper's fallback decodes again at up to 5 higher temperatures when the text
+        # looks made up, which is what a partial cut mid-word gets: 1-4 s a call here ("Tell me a st…"), and the pass
+        # at the speaker's pause waits behind it.
         segments, _ = self._model.transcribe(
             audio,
             language="en",
             beam_size=self.beam_size,
+            temperature=0.0,
+            max_new_tokens=DECODE_TOKENS_BASE + math.ceil(DECODE_TOKENS_PER_S * seconds),
             without_timestamps=False,
             vad_filter=False,
             condition_on_previous_text=False,

@@ -1,5 +1,6 @@
 import importlib.util
 import json
+import math
 import re
 import time
 from pathlib import Path
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from commands.bench_server import wait_until
-from pipeline.asr import StreamingTranscriber, Transcriber
+from pipeline.asr import DECODE_TOKENS_BASE, DECODE_TOKENS_PER_S, StreamingTranscriber, Transcriber
 from pipeline.audio import SAMPLE_RATE, load_audio, to_mono_16k
 from pipeline.vad import FRAME_S, EndOfTurnDetector
 from specdec.models import cache_dir
@@ -234,6 +235,32 @@ def test_a_pause_already_heard_by_a_partial_starts_no_pass():
     stream.speech_paused(24000)  # a pause after speech it has not heard
     assert wait_until(lambda: stream.covering(24000) is not None, 2) and len(rec.calls) == 2
     stream.close()
+
+
+@pytest.mark.models
+def test_a_pass_on_words_cut_mid_word_decodes_once_within_the_token_bound(transcriber, monkeypatch):
+    """The passes made while a user speaks end mid-word ("Tell me a st…", the project's "story" recording). Whisper's
+    fallback decoded such a clip up to 6 times and a decoder repeating itself ran to 448 tokens: 1-4 s a pass here,
+    and the pass at the speaker's pause waited behind it. Each is one decode at temperature 0, bounded by its length."""
+    story = to_mono_16k(*load_audio(Path(__file__).resolve().parents[2] / "assets/utterances-turns-final/story.wav"))
+    real, decoded = transcriber._model.model, []
+
+    class CountingDecoder:
+        def __getattr__(self, name: str):
+            return getattr(real, name)
+
+        def generate(self, *args, **kwargs):
+            results = real.generate(*args, **kwargs)
+            decoded.append(len(results[0].sequences_ids[0]))
+            return results
+
+    monkeypatch.setattr(transcriber._model, "model", CountingDecoder())
+    for end_s in (0.45, 0.5, 0.55, 0.6, 0.65, 0.7, 0.96):  # the last: all of it
+        decoded.clear()
+        heard = transcriber.transcribe(story[: int(end_s * SAMPLE_RATE)])
+        bound = DECODE_TOKENS_BASE + math.ceil(DECODE_TOKENS_PER_S * end_s)
+        assert len(decoded) == 1 and decoded[0] <= bound, (end_s, decoded, heard)
+    assert words(heard) == ["tell", "me", "a", "story"]
 
 
 @needs_espeak
