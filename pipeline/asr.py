@@ -223,7 +223,8 @@ class StreamingTranscriber:
     """Transcribe while the user speaks, so the final transcript is (mostly) ready when they stop.
 
     feed() audio as it arrives; a background thread re-transcribes the whole growing buffer at most every
-    interval_s and keeps the latest text in `partial`. finish() returns the final transcript.
+    interval_s, but not the silence of a pause it has heard up to (speech_paused, speech_resumed), and keeps the
+    latest text in `partial`. finish() returns the final transcript.
 
     Why re-transcribe the whole buffer rather than only the new tail: Whisper pads every input to 30 s, so one call
     costs the same for 0.5 s or 2.6 s of audio (tiny.en, int8, 2 threads: 0.50 s vs 0.54 s), and a tail alone loses
@@ -257,6 +258,10 @@ class StreamingTranscriber:
         self._partial_n = 0  # samples the partial transcript covered
         self._busy = False
         self._wanted = 0  # samples the speaker paused after: a partial must hear them now, not at the next interval
+        # While the speaker is paused after this many samples, what follows is silence: once a pass has heard them, a
+        # pass on more silence is not made (it costs the answer a core, and Whisper may hear the same speech
+        # differently with more silence after it: the words the early answer was started on would change).
+        self._paused_after: int | None = None
         self._closed = False
         self.passes_skipped = 0  # partial passes that found every slot taken
         self.last_pass_s: float | None = None  # how long the latest pass took (seconds)
@@ -304,7 +309,8 @@ class StreamingTranscriber:
                     urgent = self._wanted > self._partial_n  # and no pass has heard them yet
                     due = min(last_start + self._interval_s, retry_at if urgent else math.inf)
                     now = time.monotonic()
-                    if self._n > self._partial_n and now >= due:
+                    paused = self._paused_after is not None and self._partial_n >= self._paused_after
+                    if self._n > self._partial_n and not paused and now >= due:
                         break
                     self._cond.wait(timeout=due - now if due > now else None)
                 if self._closed:
@@ -341,6 +347,13 @@ class StreamingTranscriber:
         final one, so one is made at once, unless the latest partial (or the one in flight) already heard them."""
         with self._cond:
             self._wanted = max(self._wanted, samples)
+            self._paused_after = samples
+            self._cond.notify_all()
+
+    def speech_resumed(self) -> None:
+        """The speaker went on after the pause: the passes go on."""
+        with self._cond:
+            self._paused_after = None
             self._cond.notify_all()
 
     def close(self) -> None:

@@ -109,6 +109,7 @@ class TurnListener:
                 assert self._paused_at is not None  # set when the pause began
                 resumed_t = self.vad.last_voiced[0] - FRAME_S  # the start of the frame that was voiced again
                 self._close_pause(max(0.0, resumed_t - self._paused_at))
+                self.asr.speech_resumed()
                 self._pause_words, self._pause_heard_all, self._held_open = None, False, False
                 self._pause, self._pause_costs, self._scoring = PauseSignals(), {}, None
                 self._apply()

@@ -608,6 +608,49 @@ def audio_and_words_in(listener) -> None:
     assert listener.poll() is None  # the words and the audio are in, the target's vote is not
 
 
+class CountingScriptedASR(ScriptedASR):
+    def __init__(self, parts: list[tuple[float, str]]) -> None:
+        super().__init__(parts)
+        self.heard_s: list[float] = []  # the audio each pass heard
+
+    def transcribe(self, audio):
+        self.heard_s.append(len(audio) / SAMPLE_RATE)
+        return super().transcribe(audio)
+
+
+@needs_espeak
+def test_the_silence_of_a_pause_is_not_transcribed_so_the_early_answer_keeps_its_words():
+    """Whisper may hear the same speech differently with more silence after it ("Who wrote Pride and Prejudice?",
+    then "… prejudice this": the "austen" recording). A pass made on a pause's silence changed the turn's words after
+    the early answer had started on them, and the answer was discarded at the end. The passes stop at a pause once one
+    has heard it, and go on when the speaker does."""
+    from pipeline.listener import TurnListener
+    from pipeline.vad import FRAME
+
+    audio, ends = spoken("Who wrote Hamlet?", 0.4, "And when?", 1.2)
+    first, both = "Who wrote Hamlet?", "Who wrote Hamlet? And when?"
+    asr = CountingScriptedASR(
+        [(ends[0] - 0.1, first), (ends[0] + 0.3, "Who wrote Hamlet this"), (ends[2] - 0.1, both), (ends[2] + 0.3, "?")]
+    )
+    holds: list[Hold] = []
+    turn_end = TurnEnd("silence", silence_ms=900)
+    start = lambda words, tl, hold: holds.append(hold)  # noqa: E731
+    listener = TurnListener(asr, turn_end, asr_interval_s=0.05, start_early=start)
+    try:
+        for i in range(0, len(audio), FRAME):  # as it comes, in frames
+            if (ended := listener.feed(audio[i : i + FRAME], i / SAMPLE_RATE)) is not None:
+                break
+            time.sleep(FRAME / SAMPLE_RATE)
+        assert ended is not None
+        heard = listener.finish(ended)
+    finally:
+        listener.close()
+    assert heard.transcript == both and heard.early is holds[-1]  # the answer started on the words is the turn's
+    assert [hold.words for hold in holds] == [first, both] and holds[0].state == "discarded"
+    assert not [s for s in asr.heard_s if ends[0] + 0.3 <= s < ends[1] or s >= ends[2] + 0.3]  # no pass on silence
+    assert [s for s in asr.heard_s if ends[1] < s < ends[2]]  # the passes went on with the speaker
+
+
 @needs_espeak
 @pytest.mark.parametrize("playable", [False, True])
 def test_a_turn_is_held_open_while_its_answer_has_nothing_to_play_up_to_the_longest_wait(playable):

@@ -222,6 +222,28 @@ def test_speech_pause_starts_a_transcription_without_waiting_for_the_interval():
     assert len(rec.calls) == 1
 
 
+def test_no_pass_is_made_on_the_silence_of_a_pause_until_the_speaker_goes_on():
+    rec = Recorder()
+    stream = StreamingTranscriber(rec, interval_s=0.02)
+    stream.feed(np.zeros(16000, np.float32))
+    stream.speech_paused(16000)
+    assert wait_until(lambda: stream.covering(16000) is not None, 2)
+    passes = len(rec.calls)
+    for _ in range(10):  # 0.5 s of silence, fed as it comes: 25 intervals
+        stream.feed(np.zeros(800, np.float32))
+        time.sleep(0.05)
+    assert len(rec.calls) == passes  # the silence is not transcribed
+    assert stream.finish(speech_samples=16000) == "16000 samples" and len(rec.calls) == passes  # the pause's words
+    going_on = StreamingTranscriber(rec, interval_s=0.02)
+    going_on.feed(np.zeros(16000, np.float32))
+    going_on.speech_paused(16000)
+    assert wait_until(lambda: going_on.covering(16000) is not None, 2)
+    going_on.speech_resumed()
+    going_on.feed(np.zeros(8000, np.float32))
+    assert wait_until(lambda: going_on.covering(24000) is not None, 2)  # speech again: the passes go on
+    going_on.close()
+
+
 def test_a_pause_already_heard_by_a_partial_starts_no_pass():
     rec = Recorder()
     stream = StreamingTranscriber(rec, interval_s=30.0)  # no partial on the interval during the test
