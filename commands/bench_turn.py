@@ -77,7 +77,8 @@ def run(args: argparse.Namespace) -> dict:
 def summarize(turns: list[dict]) -> dict:
     paused = [t for t in turns if t["pause_ms"]]
     finished = [t for t in turns if not t["pause_ms"]]
-    costs = {key: [p[key] for t in turns for p in t["pauses"] if key in p] for key in ("smart_turn_ms", "asr_pass_ms")}
+    keys = ("smart_turn_ms", "asr_pass_ms", "words_at_ms")
+    costs = {key: [p[key] for t in turns for p in t["pauses"] if key in p] for key in keys}
     return {
         "paused_turns": len(paused),
         "paused_turns_whole": sum(t["whole"] for t in paused),
@@ -89,6 +90,9 @@ def summarize(turns: list[dict]) -> dict:
         "finished_cut_short": sorted(t["name"] for t in finished if not t["whole"]),
         "heard_right": sum(t["heard_right"] for t in turns),
         **{f"{key}_median": statistics.median(v) if v else None for key, v in costs.items()},
+        # the tail: one slow pass leaves a pause without words, so the turn waits the long wait
+        **{f"{key}_max": max(v, default=None) for key, v in costs.items() if key != "smart_turn_ms"},
+        "ttfa_ms_max": max((t["ttfa_ms"] for t in turns), default=None),
     }
 
 

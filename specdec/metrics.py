@@ -94,6 +94,11 @@ DEFINITIONS: dict[str, str] = {
     "still counts from when the silence ran out (end_of_turn_wait), and TTFA runs as before",
     "end_of_turn_probability": "Smart Turn v3.2's probability that the speaker has finished, from the last ≤ 8 s of "
     "the turn's audio up to a pause (prosody as well as words; pipecat's model, its weights run here in torch)",
+    "words_at_ms": "a pause: from its last voiced audio to when the words of all of the speech before it were "
+    "transcribed (the ASR pass it asked for, and any pass in flight before it); bench-turn reports the median and the "
+    "longest over its pauses",
+    "asr_pass_ms": "a pause: how long the latest ASR pass took by the time the pause ended (one Whisper call on the "
+    "turn's audio so far); bench-turn reports the median and the longest over its pauses",
     "stall_ms": "silence inside an answer (server side): with its audio played at real speed from the first sample "
     "out of the TTS, the total time the listener waits between the end of the samples out so far and the next ones; "
     "0 when the speech never runs dry",

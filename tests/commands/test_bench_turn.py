@@ -1,6 +1,6 @@
 """bench-turn's replay: a run's pauses decided again under other thresholds, as the listener would have."""
 
-from commands.bench_turn import decide_again, ends_at
+from commands.bench_turn import decide_again, ends_at, summarize
 from pipeline.turn_end import TurnEnd
 
 
@@ -54,3 +54,34 @@ def test_a_pause_held_open_for_its_answer_cuts_only_once_that_answer_could_be_he
     assert not cut(answer_held=True)  # never audible: held to the longest wait (1000 ms)
     assert cut(answer_held=True, answer_playable_at_ms=450)  # audible at 450 ms, before the speaker came back
     assert cut(answer_held=False, answer_playable_at_ms=650)
+
+
+def test_the_summary_reports_the_slowest_words_and_turn_beside_the_medians():
+    """One slow ASR pass leaves a pause without words and its turn waits the long wait: a median hides it."""
+    slow = {**pause("Tell me a story.", 0.9, 0.03, words_at=700.0), "asr_pass_ms": 650.0}
+    turns = [
+        {
+            "name": "story",
+            "pause_ms": 0,
+            "whole": True,
+            "heard_right": True,
+            "ttfa_ms": 1790.0,
+            "end_of_turn_wait_ms": 1024.0,
+            "pauses": [slow],
+        },
+    ] + [
+        {
+            "name": f"q{i}",
+            "pause_ms": 0,
+            "whole": True,
+            "heard_right": True,
+            "ttfa_ms": 400.0 + i,
+            "end_of_turn_wait_ms": 300.0,
+            "pauses": [{**pause("Why?", 0.9, 0.8), "asr_pass_ms": 150.0}],
+        }
+        for i in range(4)
+    ]
+    summary = summarize(turns)
+    assert summary["words_at_ms_median"] == 150 and summary["words_at_ms_max"] == 700
+    assert summary["asr_pass_ms_median"] == 150 and summary["asr_pass_ms_max"] == 650
+    assert summary["ttfa_ms_max"] == 1790
