@@ -91,7 +91,7 @@ def summarize(turns: list[dict]) -> dict:
         "heard_right": sum(t["heard_right"] for t in turns),
         **{f"{key}_median": statistics.median(v) if v else None for key, v in costs.items()},
         # the tail: one slow pass leaves a pause without words, so the turn waits the long wait
-        **{f"{key}_max": max(v, default=None) for key, v in costs.items() if key != "smart_turn_ms"},
+        **{f"{key}_max": max(costs[key], default=None) for key in ("asr_pass_ms", "words_at_ms")},
         "ttfa_ms_max": max((t["ttfa_ms"] for t in turns), default=None),
     }
 
