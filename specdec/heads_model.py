@@ -122,6 +122,13 @@ class EagleLayer(nn.Module):
         self.up = nn.Linear(h, cfg.intermediate, bias=False)
         self.down = nn.Linear(cfg.intermediate, h, bias=False)
         self.out_norm = RMSNorm(h, cfg.rms_eps)
+        # Starts by passing its feature through (fc reads it as is; attention and MLP add nothing), as medusa's blocks
+        # start as the identity: a layer started from nothing underfit here (docs/results.md, thirty-third session).
+        with torch.no_grad():
+            self.fc.weight.zero_()
+            self.fc.weight[:, h:].copy_(torch.eye(h))
+        nn.init.zeros_(self.o.weight)
+        nn.init.zeros_(self.down.weight)
 
     def true_features(self, target_features: torch.Tensor) -> torch.Tensor:
         """The feature a slot reads after a true position: the target's fused layers (EAGLE-3), or its final norm's

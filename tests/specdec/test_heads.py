@@ -192,6 +192,20 @@ def test_a_session_keeps_the_layers_its_heads_read(tiny_engine, tiny_heads):
     assert session.target.keep_layers == TINY_FUSE
 
 
+def test_a_fresh_eagle_layer_passes_its_feature_through(tiny_engine):
+    """Before training, the layer's prediction is its input feature (RMS-normed): it starts where medusa's blocks do,
+    from the target's own head, not from a random map."""
+    target = tiny_engine.cpu_target
+    torch.manual_seed(0)
+    heads = DraftHeads(heads_config("eagle", target.model.config, target.name), torch.arange(96))
+    layer = heads.eagle
+    assert layer is not None
+    hidden = target.model.config.hidden_size
+    emb, feat = torch.randn(1, 5, hidden), torch.randn(1, 5, hidden) * 3
+    with torch.no_grad():
+        torch.testing.assert_close(layer(emb, feat, torch.arange(1, 6)), layer.out_norm(feat))
+
+
 @pytest.mark.parametrize("fuse", [(), TINY_FUSE])
 def test_training_time_test_attends_as_drafting_does(tiny_engine, tiny_corpus, fuse):
     """Step d of the training-time test at slot L + d − 1 predicts the feature drafting computes there (given the
@@ -202,6 +216,8 @@ def test_training_time_test_attends_as_drafting_does(tiny_engine, tiny_corpus, f
     heads.attach(target.model.get_input_embeddings(), target.model.get_output_embeddings().weight)
     layer = heads.eagle
     assert layer is not None
+    for linear in (layer.o, layer.down):  # as trained: a fresh layer's attention and MLP add nothing, masked or not
+        torch.nn.init.normal_(linear.weight, std=0.05)
     seqs = [
         s for (s,) in teacher_forced(target, read_rows(tiny_corpus / "answers" / "answers_0000.jsonl.gz")[:3], (fuse,))
     ]
