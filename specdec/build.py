@@ -144,7 +144,7 @@ class EngineSpec:
     draft_tree: int = option(
         3,
         at_least=1,
-        help="medusa heads: candidates per node of a draft tree whose best K nodes are verified in one forward, "
+        help="heads: candidates per node of a draft tree whose best K nodes are verified in one forward, "
         "each seeing only its path (1: a chain of K drafts)",
     )
     # 0: on the 20 voice prompts (AMD EPYC, no AMX) 4 gave 1.37 tokens per target forward against 1.36, and 1.12×
@@ -152,7 +152,7 @@ class EngineSpec:
     draft_lookup: int = option(
         0,
         at_least=0,
-        help="medusa heads drafting a tree: up to this many more nodes, the context's own continuation of its last "
+        help="heads drafting a tree: up to this many more nodes, the context's own continuation of its last "
         "tokens (prompt lookup) grafted onto the tree (0: none)",
     )
     # off: drafters.OpeningEchoDrafter is left out

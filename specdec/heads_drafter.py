@@ -8,6 +8,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
 from .drafters import Proposal, choose_drafts, ngram_lookup
 from .heads_model import DraftHeads, EagleCache
@@ -36,8 +37,9 @@ class HeadsDrafter:
     reads_draft, block after block: each reads the draft before its own).
 
     min_prob: the confidence gate (drafters.confident_count), as for a draft model.
-    tree_width: medusa, above 1: the K drafts are the best K nodes of a draft tree with this many candidates per node
-    (build_tree, EAGLE-2's ranking by path probability), instead of a chain.
+    tree_width: above 1, the K drafts are the best K nodes of a draft tree with this many candidates per node
+    (build_tree, EAGLE-2's ranking by path probability), instead of a chain: medusa's from its blocks in one step,
+    eagle's grown depth by depth, each node's slot attending to the true slots and its own path.
     lookup: with a tree, up to this many more nodes, no deeper than K: what followed the latest earlier occurrence of
     the context's last LOOKUP_MIN_NGRAM or more tokens (drafters.ngram_lookup), grafted onto the tree (tree.graft).
     Heads guess from one feature; a spoken answer also repeats its question's and its own words, which a lookup
@@ -107,6 +109,9 @@ class HeadsDrafter:
             sub = torch.stack([self.heads.lm(block(f)) for block in list(self.heads.medusa)[:k]])
             tokens, tops, q = choose_drafts(sub, self.heads.vocab_ids, self.heads.cfg.vocab_size, params, generator)
             return Proposal.gated([tokens], [tops], [] if q is None else [q], self.min_prob, forwards=1)
+        if self.tree_width > 1:
+            tree = Proposal.of_tree(self._with_lookup(self._eagle_tree(context, last, k), context, k), forwards=k)
+            return replace(tree, confidence=None) if self.lookup else tree
         return self._eagle(context, last, k, params, generator)
 
     def _medusa_chain(
@@ -163,13 +168,7 @@ class HeadsDrafter:
     ) -> Proposal:
         heads, layer, cache = self.heads, self.heads.eagle, self.eagle
         assert layer is not None and cache is not None
-        self._crop_slots(common_prefix_length(self.slot_tokens, context[1:]))
-        first = len(self.slot_tokens) + 1  # the first slot to compute; slots first … last read true features
-        ids = torch.tensor([context[first : last + 1]], device=self.device)
-        feats = layer.true_features(self.features[first - 1 : last].unsqueeze(0))
-        positions = torch.arange(first, last + 1, device=self.device)
-        pred = layer(heads.embed_tokens(ids), feats, positions, cache)[0, -1]
-        self.slot_tokens = context[1 : last + 1]
+        pred = self._eagle_true_slots(context, last)
         drafts, tops, probs = [], [], []
         for i in range(k):
             token, top, q = choose_drafts(
@@ -184,3 +183,59 @@ class HeadsDrafter:
                 pred = layer(heads.embed_tokens(token.view(1, 1)), pred.view(1, 1, -1), pos, cache)[0, -1]
         cache.length = len(self.slot_tokens)  # the draft slots go: they read predicted features
         return Proposal.gated(drafts, tops, probs, self.min_prob, forwards=k)
+
+    def _eagle_true_slots(self, context: list[int], last: int) -> torch.Tensor:
+        """The eagle layer over the slots not yet in its cache, up to `last` (each reads the target's true feature),
+        cached; the feature it predicts at `last`, whose LM head rows give the first draft."""
+        heads, layer, cache = self.heads, self.heads.eagle, self.eagle
+        assert layer is not None and cache is not None
+        self._crop_slots(common_prefix_length(self.slot_tokens, context[1:]))
+        first = len(self.slot_tokens) + 1  # the first slot to compute; slots first … last read true features
+        ids = torch.tensor([context[first : last + 1]], device=self.device)
+        feats = layer.true_features(self.features[first - 1 : last].unsqueeze(0))
+        positions = torch.arange(first, last + 1, device=self.device)
+        pred = layer(heads.embed_tokens(ids), feats, positions, cache)[0, -1]
+        self.slot_tokens = context[1 : last + 1]
+        return pred
+
+    def _eagle_tree(self, context: list[int], last: int, max_nodes: int) -> DraftTree:
+        """The best max_nodes nodes of EAGLE-2's tree: the layer's top tree_width tokens as a node's children, the
+        best tree_width nodes of each depth expanded, one layer forward a depth. A node at depth d is the slot
+        last + d: it reads its token and its parent's predicted feature and attends to the true slots, its
+        ancestors' slots and itself, as drafting its path alone would (_eagle). Deterministic: verified as one-hot
+        drafts, lossless greedy or sampled. Everything stays on the device: nodes are found by tensor indices."""
+        heads, layer, cache = self.heads, self.heads.eagle, self.eagle
+        assert layer is not None and cache is not None
+        root = self._eagle_true_slots(context, last)
+        true_keys, true_values = cache.keys[:, :, : cache.length], cache.values[:, :, : cache.length]
+        width, dev = self.tree_width, self.device
+        tokens = torch.zeros(0, dtype=torch.long, device=dev)  # every node made, in Expand's numbering
+        reads = torch.zeros(0, root.shape[-1], device=dev)  # the feature each node's slot reads: its parent's
+        keys = torch.zeros(0, *true_keys.shape[1::2], device=dev)  # (nodes, kv_heads, head_dim): set once expanded
+        values = torch.zeros_like(keys)
+        paths = torch.zeros(1, 0, dtype=torch.long, device=dev)  # the newest depth's nodes' ids, root to self
+        depth = 0  # of the frontier's nodes
+
+        def expand(frontier: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            nonlocal tokens, reads, keys, values, paths, depth
+            if depth == 0:
+                path, pred = paths, root[None]
+            else:
+                path = paths[frontier - (len(tokens) - len(paths))]  # (F, depth)
+                emb = heads.embed_tokens(tokens[frontier])[:, None]
+                x, q, k, v = layer.qkv(emb, reads[frontier][:, None], torch.tensor([last + depth], device=dev))
+                keys, values = keys.index_copy(0, frontier, k[:, :, 0]), values.index_copy(0, frontier, v[:, :, 0])
+                ks = torch.cat([true_keys.expand(len(frontier), -1, -1, -1), keys[path].transpose(1, 2)], dim=2)
+                vs = torch.cat([true_values.expand(len(frontier), -1, -1, -1), values[path].transpose(1, 2)], dim=2)
+                pred = layer.finish(x, F.scaled_dot_product_attention(q, ks, vs, enable_gqa=True))[:, 0]
+            logp, ids = heads.lm(pred).float().log_softmax(-1).topk(width, -1)
+            made = torch.arange(len(tokens), len(tokens) + ids.numel(), device=dev)
+            tokens = torch.cat([tokens, heads.vocab_ids[ids].flatten()])
+            reads = torch.cat([reads, pred.repeat_interleave(width, 0)])
+            keys = torch.cat([keys, keys.new_zeros(ids.numel(), *keys.shape[1:])])
+            values = torch.cat([values, values.new_zeros(ids.numel(), *values.shape[1:])])
+            paths = torch.cat([path.repeat_interleave(width, 0), made[:, None]], dim=1)
+            depth += 1
+            return heads.vocab_ids[ids], logp
+
+        return build_tree(expand, width, max_nodes, max_nodes, dev)

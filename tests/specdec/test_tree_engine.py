@@ -1,6 +1,7 @@
 """Draft trees through the runner and the engine: a node's logits are those of its path decoded alone, the cache
-keeps the accepted path as if it alone was fed, and greedy answers with a medusa tree equal target-only ones, alone
-and batched. (The sampled verdict's distribution: test_distribution.py and test_tree_distribution.py.)"""
+keeps the accepted path as if it alone was fed, an eagle node drafts as its path alone would, and greedy answers with
+a heads tree (medusa's or eagle's) equal target-only ones, alone and batched. (The sampled verdict's distribution:
+test_distribution.py and test_tree_distribution.py.)"""
 
 from __future__ import annotations
 
@@ -16,12 +17,13 @@ from specdec.cost_grid import ForwardCosts
 from specdec.engine import GenerationConfig, collect
 from specdec.heads_drafter import HeadsDrafter
 from specdec.heads_file import load_heads
+from specdec.heads_model import EagleCache
 from specdec.kv import Feed
 from specdec.quant import quantize_linears
 from specdec.runner import BatchRunner
 from specdec.sampling import SamplingParams
 from specdec.scheduler import BatchScheduler
-from specdec.tree import DraftTree, node_ranks
+from specdec.tree import DraftTree, grow_tree, node_ranks
 from tests.specdec.test_scheduler import run_together
 from tests.support.engine import cpu_only, heads_engine, target_only, tiny_prompts
 
@@ -150,11 +152,65 @@ def test_a_reads_draft_tree_gives_each_node_children_of_its_own(tiny_engine, tin
     assert any(sibling_groups_differ(t) for t in trees if t is not None) == heads.cfg.reads_draft
 
 
-@pytest.mark.parametrize("tiny_heads", ["medusa", "medusa-draft", "medusa-deep"], indirect=True)
-def test_greedy_output_with_a_medusa_tree_is_target_only(tiny_engine, tiny_heads, monkeypatch):
+@pytest.mark.parametrize("tiny_heads", ["eagle", "eagle3"], indirect=True)
+def test_an_eagle_node_s_children_are_its_path_drafted_alone(tiny_engine, tiny_heads, monkeypatch):
+    """Each node of an eagle tree scores as the chain drafting of its path would (the layer on its cache over the
+    true slots, then one slot per token of the path): its log-probability is the path's, token by token, under the
+    layer's predictions there, and it is among the top tree_width there. Every node grown to depth 4 is checked
+    (the tiny heads' best nodes stay shallow), and the layer's attention and MLP are given weights, so a node that
+    attended to the wrong slots would score otherwise."""
+    monkeypatch.setattr(
+        heads_drafter_module, "build_tree", lambda expand, top_k, _, __, dev: grow_tree(expand, top_k, 4, dev)
+    )
+    path, val = tiny_heads
+    target = tiny_engine.cpu_target
+    heads = load_heads(path, target.model, target.name)
+    layer = heads.eagle
+    assert layer is not None
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for linear in (layer.o, layer.down):
+            linear.weight.add_(torch.randn_like(linear.weight) * 0.5)
+    drafter = HeadsDrafter(heads, tree_width=3)
+    s = val[0]
+    drafter.add_features(s.tokens[:-1], 0, s.features)
+    checked = 0
+    for last in (s.answer_start, len(s.tokens) - 2):
+        tree = drafter.propose(s.tokens[: last + 1], 4, SamplingParams(), None).tree
+        assert (
+            tree is not None
+            and tree.scores is not None
+            and tree.depths.tolist() == [1] * 3 + [2] * 9 + [3] * 9 + [4] * 9
+        )
+        for node in range(len(tree)):
+            chain = [node]
+            while int(tree.parents[chain[-1]]) >= 0:
+                chain.append(int(tree.parents[chain[-1]]))
+            tokens = [int(tree.tokens[i]) for i in reversed(chain)]
+            cache = EagleCache(heads.cfg.n_kv_heads, layer.head_dim, torch.device("cpu"))
+            with torch.inference_mode():
+                emb = heads.embed_tokens(torch.tensor([s.tokens[1 : last + 1]]))
+                feats = layer.true_features(s.features[None, :last].float())
+                pred = layer(emb, feats, torch.arange(1, last + 1), cache)[0, -1]
+                score = 0.0
+                for d, token in enumerate(tokens, start=1):
+                    logp = heads.lm(pred).float().log_softmax(-1)
+                    local = int((heads.vocab_ids == token).nonzero())
+                    assert local in logp.topk(3).indices.tolist()
+                    score += float(logp[local])
+                    emb = heads.embed_tokens(torch.tensor([[token]]))
+                    pred = layer(emb, pred.view(1, 1, -1), torch.tensor([last + d]), cache)[0, -1]
+            assert float(tree.scores[node]) == pytest.approx(score, abs=1e-4)
+            checked += 1
+    assert checked == 60
+
+
+@pytest.mark.parametrize("tiny_heads", ["medusa", "medusa-draft", "medusa-deep", "eagle", "eagle3"], indirect=True)
+def test_greedy_output_with_a_heads_tree_is_target_only(tiny_engine, tiny_heads, monkeypatch):
     trees: list[DraftTree] = []
-    made = HeadsDrafter._medusa_tree
-    monkeypatch.setattr(HeadsDrafter, "_medusa_tree", lambda self, *a: trees.append(made(self, *a)) or trees[-1])
+    name = "_eagle_tree" if "eagle" in tiny_heads[0].name else "_medusa_tree"
+    made = getattr(HeadsDrafter, name)
+    monkeypatch.setattr(HeadsDrafter, name, lambda self, *a: trees.append(made(self, *a)) or trees[-1])
     engine = heads_engine(tiny_engine, tiny_heads, k=4, tree=3)
     target = engine.target
     steps = []
@@ -198,9 +254,9 @@ def test_a_step_tells_the_ranks_of_the_accepted_nodes(tiny_engine, tiny_heads, m
 FLAT_COSTS = ForwardCosts([1, 4], [1, 5], [[1.0, 1.0], [1.0, 1.0]])
 
 
-@pytest.mark.parametrize("tiny_heads", ["medusa", "medusa-draft"], indirect=True)
+@pytest.mark.parametrize("tiny_heads", ["medusa", "medusa-draft", "eagle"], indirect=True)
 @pytest.mark.parametrize("costs", [None, FLAT_COSTS], ids=["own-k", "load-aware"])
-def test_medusa_trees_in_a_batch_equal_each_answer_alone(tiny_engine, tiny_heads, costs):
+def test_heads_trees_in_a_batch_equal_each_answer_alone(tiny_engine, tiny_heads, costs):
     """load-aware: the grid sizes each answer's tree from what its nodes brought by rank (scheduler.choose_ks)."""
     engine = heads_engine(tiny_engine, tiny_heads, k=4, tree=3)
     target = engine.target
