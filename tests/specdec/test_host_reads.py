@@ -53,7 +53,7 @@ def test_a_heads_step_reads_the_device_at_most_twice(tiny_engine, tiny_heads, pa
     assert max(reads_per_step(engine, tiny_prompts(engine.target, 1)[0], params)) <= 2
 
 
-@pytest.mark.parametrize("tiny_heads", ["medusa"], indirect=True)
+@pytest.mark.parametrize("tiny_heads", ["medusa", "eagle"], indirect=True)
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.8)], ids=["greedy", "sampled"])
 def test_a_tree_step_reads_the_device_at_most_twice(tiny_engine, tiny_heads, params):
     """Built, fed (fused attention: its mask on the device), verified and its path moved into place: one read."""
