@@ -97,22 +97,34 @@ class HeadsDrafter:
         last = len(context) - 1  # the newest token, t_L: the target has not fed it yet
         if last < 1 or len(self.tokens) < last or common_prefix_length(self.tokens, context) < last:
             return Proposal.of([], self.device)  # no features for this context yet (the first step is the prefill)
+        if self.tree_width > 1:
+            return self._tree(context, last, k)
         if self.heads.medusa is not None:
-            f = self.features[last - 1]  # its own LM head gave t_L; block i gives t_{L+1+i}
-            if self.heads.token_in is not None:  # no host-to-device copy a step where nothing reads it
-                f = self.heads.medusa_input(f, torch.tensor(context[last], device=self.device))
-            if self.tree_width > 1:
-                tree = Proposal.of_tree(self._with_lookup(self._medusa_tree(f, k), context, k), forwards=1)
-                return replace(tree, confidence=None) if self.lookup else tree  # a grafted chain has no confidence
+            f = self._medusa_feature(context, last)
             if self.heads.draft_in is not None:
                 return self._medusa_chain(f, k, params, generator)
             sub = torch.stack([self.heads.lm(block(f)) for block in list(self.heads.medusa)[:k]])
             tokens, tops, q = choose_drafts(sub, self.heads.vocab_ids, self.heads.cfg.vocab_size, params, generator)
             return Proposal.gated([tokens], [tops], [] if q is None else [q], self.min_prob, forwards=1)
-        if self.tree_width > 1:
-            tree = Proposal.of_tree(self._with_lookup(self._eagle_tree(context, last, k), context, k), forwards=k)
-            return replace(tree, confidence=None) if self.lookup else tree
         return self._eagle(context, last, k, params, generator)
+
+    def _medusa_feature(self, context: list[int], last: int) -> torch.Tensor:
+        """What medusa's blocks read for the newest token t_L: the feature its own LM head gave t_L from (block i
+        gives t_{L+1+i}), with reads_token t_L itself."""
+        f = self.features[last - 1]
+        if self.heads.token_in is not None:  # no host-to-device copy a step where nothing reads it
+            f = self.heads.medusa_input(f, torch.tensor(context[last], device=self.device))
+        return f
+
+    def _tree(self, context: list[int], last: int, k: int) -> Proposal:
+        """The best k nodes of the heads' tree (medusa's in one step, eagle's one layer forward a depth), with the
+        lookup's chain grafted on."""
+        if self.heads.medusa is not None:
+            tree, forwards = self._medusa_tree(self._medusa_feature(context, last), k), 1
+        else:
+            tree, forwards = self._eagle_tree(context, last, k), k
+        proposal = Proposal.of_tree(self._with_lookup(tree, context, k), forwards)
+        return replace(proposal, confidence=None) if self.lookup else proposal  # a grafted chain has no confidence
 
     def _medusa_chain(
         self, f: torch.Tensor, k: int, params: SamplingParams, generator: torch.Generator | None
