@@ -29,13 +29,13 @@ from specdec.heads_loss import (
     medusa_losses,
     noised,
 )
-from specdec.heads_model import DraftHeads, EagleCache
+from specdec.heads_model import DraftHeads
 from specdec.heads_train import TrainConfig, eagle3_layers, heads_config, simulated_acceptance, train_heads
 from specdec.runner import BatchRunner
 from specdec.sampling import SamplingParams
 from specdec.session import EngineSession
 from specdec.tokenizer import common_prefix_length
-from tests.support.engine import TINY_FUSE, WORDS, heads_engine, tiny_prompts
+from tests.support.engine import TINY_FUSE, WORDS, eagle_path_alone, heads_engine, tiny_prompts
 
 
 def test_the_data_holds_each_position_s_feature(tiny_engine, tiny_data):
@@ -224,18 +224,11 @@ def test_training_time_test_attends_as_drafting_does(tiny_engine, tiny_corpus, f
     with torch.no_grad():
         preds = eagle_predictions(heads, make_batch(seqs), steps=3)
         for b, s in enumerate(seqs):
-            tokens = torch.tensor(s.tokens)
             for last in (s.answer_start, len(s.tokens) - 3):
-                cache = EagleCache(heads.cfg.n_kv_heads, layer.head_dim, torch.device("cpu"))
-                emb, feats = heads.embed_tokens(tokens[None, 1 : last + 1]), s.features[None, :last].float()
-                pred = layer(emb, layer.true_features(feats), torch.arange(1, last + 1), cache)[0, -1]
-                for d in (1, 2, 3):
+                alone = eagle_path_alone(heads, s, last, s.tokens[last + 1 : last + 3])  # the true tokens
+                assert len(alone) == 3
+                for d, pred in enumerate(alone, start=1):
                     torch.testing.assert_close(preds[d - 1][b, last + d - 2], pred, rtol=1e-4, atol=1e-4)
-                    slot = last + d  # the next draft slot reads its token and this prediction
-                    if slot == len(s.tokens):
-                        break
-                    emb = heads.embed_tokens(tokens[slot].view(1, 1))
-                    pred = layer(emb, pred.view(1, 1, -1), torch.tensor([slot]), cache)[0, -1]
 
 
 def test_prompts_that_begin_alike_feed_their_shared_head_once(tiny_engine, tiny_corpus, monkeypatch):

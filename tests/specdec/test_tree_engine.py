@@ -17,7 +17,6 @@ from specdec.cost_grid import ForwardCosts
 from specdec.engine import GenerationConfig, collect
 from specdec.heads_drafter import HeadsDrafter
 from specdec.heads_file import load_heads
-from specdec.heads_model import EagleCache
 from specdec.kv import Feed
 from specdec.quant import quantize_linears
 from specdec.runner import BatchRunner
@@ -25,7 +24,7 @@ from specdec.sampling import SamplingParams
 from specdec.scheduler import BatchScheduler
 from specdec.tree import DraftTree, grow_tree, node_ranks
 from tests.specdec.test_scheduler import run_together
-from tests.support.engine import cpu_only, heads_engine, target_only, tiny_prompts
+from tests.support.engine import cpu_only, eagle_path_alone, heads_engine, target_only, tiny_prompts
 
 # root → a, b; a → c, d; b → e; c → f
 PARENTS = [-1, -1, 0, 0, 1, 2]
@@ -187,19 +186,13 @@ def test_an_eagle_node_s_children_are_its_path_drafted_alone(tiny_engine, tiny_h
             while int(tree.parents[chain[-1]]) >= 0:
                 chain.append(int(tree.parents[chain[-1]]))
             tokens = [int(tree.tokens[i]) for i in reversed(chain)]
-            cache = EagleCache(heads.cfg.n_kv_heads, layer.head_dim, torch.device("cpu"))
+            score = 0.0
             with torch.inference_mode():
-                emb = heads.embed_tokens(torch.tensor([s.tokens[1 : last + 1]]))
-                feats = layer.true_features(s.features[None, :last].float())
-                pred = layer(emb, feats, torch.arange(1, last + 1), cache)[0, -1]
-                score = 0.0
-                for d, token in enumerate(tokens, start=1):
+                for pred, token in zip(eagle_path_alone(heads, s, last, tokens[:-1]), tokens, strict=True):
                     logp = heads.lm(pred).float().log_softmax(-1)
                     local = int((heads.vocab_ids == token).nonzero())
                     assert local in logp.topk(3).indices.tolist()
                     score += float(logp[local])
-                    emb = heads.embed_tokens(torch.tensor([[token]]))
-                    pred = layer(emb, pred.view(1, 1, -1), torch.tensor([last + d]), cache)[0, -1]
             assert float(tree.scores[node]) == pytest.approx(score, abs=1e-4)
             checked += 1
     assert checked == 60

@@ -17,7 +17,7 @@ from specdec.build import TINY_ENGINE, EngineSpec, build_engine, k_policy_factor
 from specdec.drafters import DraftModelDrafter
 from specdec.engine import GenerationConfig, SpeculativeEngine, collect
 from specdec.heads_file import save_heads
-from specdec.heads_model import DraftHeads
+from specdec.heads_model import DraftHeads, EagleCache
 from specdec.heads_train import heads_config
 from specdec.models import LoadedModel, load_model
 from specdec.runner import BatchRunner
@@ -120,6 +120,23 @@ def untrained_heads(target: LoadedModel, path: Path, kind: str = "medusa") -> Pa
     cfg = heads_config(kind, target.model.config, target.name)
     save_heads(DraftHeads(cfg, torch.arange(cfg.vocab_size)), path)
     return path
+
+
+def eagle_path_alone(heads: DraftHeads, seq, last: int, path: list[int]) -> list[torch.Tensor]:
+    """The eagle layer's predicted features as drafting one path alone computes them: on a fresh cache over the true
+    slots 1 … last (seq's tokens and features), then slot last + d for the path's d-th token, reading the prediction
+    before it. len(path) + 1 features, the first at slot last."""
+    layer = heads.eagle
+    assert layer is not None
+    cache = EagleCache(heads.cfg.n_kv_heads, layer.head_dim, torch.device("cpu"))
+    with torch.inference_mode():
+        emb = heads.embed_tokens(torch.tensor([seq.tokens[1 : last + 1]]))
+        feats = layer.true_features(seq.features[None, :last].float())
+        preds = [layer(emb, feats, torch.arange(1, last + 1), cache)[0, -1]]
+        for d, token in enumerate(path, start=1):
+            emb = heads.embed_tokens(torch.tensor([[token]]))
+            preds.append(layer(emb, preds[-1].view(1, 1, -1), torch.tensor([last + d]), cache)[0, -1])
+    return preds
 
 
 def heads_engine(tiny_engine, tiny_heads, k: int = 3, tree: int = 1, lookup: int = 0):
